@@ -1,0 +1,5 @@
+import sys
+
+from duplexd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,88 @@
+"""The `duplexd` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+from duplexd.engine.checkpoint import load_lm
+from duplexd.engine.config import ConfigError, SamplingParams
+from duplexd.engine.demo import ensure_demo
+from duplexd.engine.errors import CheckpointError
+from duplexd.engine.lm_gen import LMGen
+from duplexd.engine.tokenizer import TextTokenizer
+
+logger = logging.getLogger("duplexd")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Run the LM for N frames on random user codes and print the text it writes."""
+    if args.weights is None:
+        demo = ensure_demo()
+        args.weights, args.config, args.tokenizer = demo.lm, args.config or demo.config, demo.tokenizer
+        logger.warning("using the demo model: random weights, its text is a jumble of word pieces")
+    if args.frames < 1:
+        raise ConfigError("--frames must be >= 1")
+    params = SamplingParams(args.text_temperature, args.text_topk, args.audio_temperature, args.audio_topk,
+                            args.seed)
+    model = load_lm(args.weights, args.config, device=args.device)
+    tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
+    gen = LMGen(model, num_slots=1)
+    gen.reset(0, params)
+    codes = torch.randint(0, model.cfg.card, (args.frames, model.cfg.num_user_codebooks),
+                          generator=torch.Generator().manual_seed(args.seed), device="cpu").to(args.device)
+    slot = torch.tensor([0], device=args.device)
+    started = time.perf_counter()
+    pad = {model.cfg.text_padding_token_id, model.cfg.end_of_text_padding_id}
+    for frame in range(args.frames):
+        out = gen.step(slot, codes[frame : frame + 1])
+        if out.valid[0]:
+            text = int(out.tokens[0, 0])
+            if text not in pad:
+                sys.stdout.write(tokenizer.piece(text) if tokenizer else f"<{text}>")
+                sys.stdout.flush()
+    elapsed = time.perf_counter() - started
+    sys.stdout.write("\n")
+    logger.info("%d frames in %.2f s (%.1f ms/frame)", args.frames, elapsed, 1000 * elapsed / args.frames)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="duplexd", description="Full-duplex speech-dialogue server.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="run the LM on random user codes and print its text")
+    gen.add_argument("--weights", help="LM weights: path, hf://org/repo/file or repo id (default: demo model)")
+    gen.add_argument("--config", help="reference config.json (default: the one beside the weights)")
+    gen.add_argument("--tokenizer", help="sentencepiece model to print text with")
+    gen.add_argument("--frames", type=int, default=50, help="frames of 80 ms to generate")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--text-temperature", type=float, default=0.7)
+    gen.add_argument("--text-topk", type=int, default=25)
+    gen.add_argument("--audio-temperature", type=float, default=0.8)
+    gen.add_argument("--audio-topk", type=int, default=250)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (CheckpointError, ConfigError) as e:
+        print(f"duplexd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Load the Moshi LM from safetensors in either of the reference's key namings, tensor by tensor.
+
+The reference stores attention projections either per module (`self_attn.in_projs.{k}.weight`, one per
+DepFormer step) or fused (`self_attn.in_proj_weight`, the DepFormer's steps stacked along dim 0). Both map onto
+duplexd's parameters through one table of `KeyMap` rows; the same table writes checkpoints in reference naming.
+Tensors are read one at a time through safetensors' mmap and copied into preallocated parameters, so peak
+memory stays near the size of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import MOSHI_7B, ConfigError, LMConfig, lm_config_from_dict
+from .errors import CheckpointError
+from .hub import resolve_file
+from .models.lm import LMModel
+
+logger = logging.getLogger(__name__)
+
+MOSHI_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+NAMINGS = ("module", "fused")
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """One checkpoint tensor: its key, shape, and where it lands (a parameter, or one step of it)."""
+
+    key: str
+    shape: tuple[int, ...]
+    param: str
+    index: int | None = None
+
+
+def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
+    """Every tensor of a reference LM checkpoint in the given naming, in the reference's key order."""
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {NAMINGS}")
+    d, dd, q, card = cfg.dim, cfg.depformer_dim, cfg.dep_q, cfg.card
+    rows: list[KeyMap] = [KeyMap(f"emb.{k}.weight", (card + 1, d), "audio_emb", k) for k in range(cfg.n_q)]
+    rows += [
+        KeyMap("text_emb.weight", (cfg.text_card + 1, d), "text_emb"),
+        KeyMap("text_linear.weight", (cfg.text_card, d), "text_head"),
+    ]
+    for i in range(cfg.num_layers):
+        pre, dst = f"transformer.layers.{i}.", f"layers.{i}."
+        attn = (
+            [KeyMap(pre + "self_attn.in_projs.0.weight", (3 * d, d), dst + "wqkv"),
+             KeyMap(pre + "self_attn.out_projs.0.weight", (d, d), dst + "wo")]
+            if naming == "module" else
+            [KeyMap(pre + "self_attn.in_proj_weight", (3 * d, d), dst + "wqkv"),
+             KeyMap(pre + "self_attn.out_proj.weight", (d, d), dst + "wo")]
+        )
+        rows += [KeyMap(pre + "norm1.alpha", (1, 1, d), dst + "attn_norm"), *attn,
+                 KeyMap(pre + "norm2.alpha", (1, 1, d), dst + "mlp_norm"),
+                 KeyMap(pre + "gating.linear_in.weight", (2 * cfg.hidden, d), dst + "w_in"),
+                 KeyMap(pre + "gating.linear_out.weight", (d, cfg.hidden), dst + "w_out")]
+    rows.append(KeyMap("out_norm.alpha", (1, 1, d), "out_norm"))
+    rows += [KeyMap(f"depformer_in.{k}.weight", (dd, d), "dep_in", k) for k in range(q)]
+    rows += [KeyMap(f"depformer_emb.{k}.weight", (card + 1, dd), "dep_audio_emb", k) for k in range(q - 1)]
+    rows.append(KeyMap("depformer_text_emb.weight", (cfg.text_card + 1, dd), "dep_text_emb"))
+    hid = cfg.depformer_hidden
+    for i in range(cfg.depformer_num_layers):
+        pre, dst = f"depformer.layers.{i}.", f"dep_layers.{i}."
+        rows += [KeyMap(pre + "norm1.alpha", (1, 1, dd), dst + "attn_norm"),
+                 KeyMap(pre + "norm2.alpha", (1, 1, dd), dst + "mlp_norm")]
+        if naming == "module":
+            rows += [KeyMap(pre + f"self_attn.in_projs.{k}.weight", (3 * dd, dd), dst + "wqkv", k) for k in range(q)]
+            rows += [KeyMap(pre + f"self_attn.out_projs.{k}.weight", (dd, dd), dst + "wo", k) for k in range(q)]
+        else:
+            rows += [KeyMap(pre + "self_attn.in_proj_weight", (q * 3 * dd, dd), dst + "wqkv"),
+                     KeyMap(pre + "self_attn.out_proj.weight", (q * dd, dd), dst + "wo")]
+        for k in range(q):
+            rows += [KeyMap(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), dst + "w_in", k),
+                     KeyMap(pre + f"gating.{k}.linear_out.weight", (dd, hid), dst + "w_out", k)]
+    rows += [KeyMap(f"linears.{k}.weight", (card, dd), "dep_heads", k) for k in range(q)]
+    return rows
+
+
+def _target(params: dict[str, torch.Tensor], row: KeyMap) -> torch.Tensor:
+    """The parameter slice a checkpoint tensor fills, viewed in the checkpoint's shape."""
+    p = params[row.param]
+    return (p if row.index is None else p[row.index]).view(row.shape)
+
+
+def _normalise(key: str) -> str:
+    # The reference's load hook also accepts `in_proj.weight` for the fused projection.
+    return key.replace("self_attn.in_proj.weight", "self_attn.in_proj_weight")
+
+
+def detect_naming(keys: set[str]) -> str:
+    return "fused" if any(k.endswith("self_attn.in_proj_weight") for k in keys) else "module"
+
+
+def _few(keys: set[str] | list[str], n: int = 5) -> str:
+    keys = sorted(keys)
+    more = f" … and {len(keys) - n} more" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def load_lm_weights(model: LMModel, path: Path) -> str:
+    """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`."""
+    params = dict(model.named_parameters())
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+    with handle as f:
+        original = {_normalise(k): k for k in f.keys()}
+        naming = detect_naming(set(original))
+        expected = {row.key: row for row in key_map(model.cfg, naming)}
+        missing = set(expected) - set(original)
+        unexpected = set(original) - set(expected)
+        if missing:
+            raise CheckpointError(f"{path}: {len(missing)} missing key(s) ({naming} naming): {_few(missing)}")
+        if unexpected:
+            raise CheckpointError(f"{path}: {len(unexpected)} unexpected key(s): {_few(unexpected)}")
+        for key, row in expected.items():
+            shape = tuple(f.get_slice(original[key]).get_shape())
+            if shape != row.shape:
+                raise CheckpointError(f"{path}: shape mismatch for {key}: expected {list(row.shape)}, got {list(shape)}")
+        for key, row in expected.items():
+            try:
+                tensor = f.get_tensor(original[key])
+            except SafetensorError as e:
+                raise CheckpointError(f"{path}: cannot read {key} (truncated or corrupt file?): {e}") from None
+            _target(params, row).copy_(tensor)
+    return naming
+
+
+def save_lm_weights(model: LMModel, path: str | Path, naming: str = "fused") -> None:
+    """Write `model` as a reference-format LM checkpoint (loadable by `moshi` and by duplexd)."""
+    params = dict(model.named_parameters())
+    tensors = {row.key: _target(params, row).contiguous() for row in key_map(model.cfg, naming)}
+    save_file(tensors, str(path))
+
+
+def build_lm(cfg: LMConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LMModel:
+    """An uninitialised model allocated directly in `dtype` on `device` (no fp32 detour)."""
+    with torch.device("meta"):
+        model = LMModel(cfg)
+    return model.to(dtype).to_empty(device=device).eval()
+
+
+def _config_for(weights: Path, config: LMConfig | str | Path | None, weights_ref: str) -> LMConfig:
+    if isinstance(config, LMConfig):
+        return config
+    try:
+        if config is not None:
+            raw = json.loads(Path(resolve_file(config, CONFIG_NAME)).read_text())
+            return lm_config_from_dict(raw)
+        beside = weights.parent / CONFIG_NAME
+        if beside.is_file():
+            return lm_config_from_dict(json.loads(beside.read_text()))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"config file is not valid JSON: {e}") from None
+    except ConfigError as e:
+        raise CheckpointError(f"bad config: {e}") from None
+    logger.warning("no %s beside %s: assuming the Moshi 7B configuration", CONFIG_NAME, weights_ref)
+    return MOSHI_7B
+
+
+def load_lm(
+    weights: str | Path,
+    config: LMConfig | str | Path | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LMModel:
+    """Load an LM from a local file or folder, `hf://org/repo/file`, or a Hugging Face repo id.
+
+    The configuration is `config` if given (an `LMConfig` or a reference `config.json`), else the
+    `config.json` beside the weights, else Moshi 7B (as the reference does).
+    """
+    path = resolve_file(weights, MOSHI_NAME)
+    cfg = _config_for(path, config, str(weights))
+    model = build_lm(cfg, device, dtype)
+    naming = load_lm_weights(model, path)
+    logger.info("loaded LM from %s (%s naming, %d layers, dim %d)", path, naming, cfg.num_layers, cfg.dim)
+    return model

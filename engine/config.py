@@ -1,0 +1,234 @@
+"""Model configurations: dataclasses, the released presets, and the reference's `config.json` format.
+
+Field names follow the reference's LM kwargs (`moshi.models.loaders._lm_kwargs`) so a reference `config.json`
+maps onto `LMConfig` key for key; everything derived (head dims, gated hidden sizes, special ids) is a property.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration that duplexd cannot run, with the offending key named."""
+
+
+def gated_hidden(dim: int, dim_feedforward: int) -> int:
+    """Hidden width of the reference's SiLU-gated MLP for a given feed-forward size."""
+    if dim_feedforward == 4 * dim:
+        return 21 * dim // 8
+    return 2 * dim_feedforward // 3
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """The Moshi LM: temporal transformer over 1 text + `n_q` audio streams, and the DepFormer."""
+
+    dim: int = 4096
+    text_card: int = 32000
+    existing_text_padding_id: int = 3
+    existing_text_end_padding_id: int = 0
+    n_q: int = 16
+    dep_q: int = 8
+    card: int = 2048
+    num_heads: int = 32
+    num_layers: int = 32
+    hidden_scale: float = 4.125
+    context: int = 3000
+    max_period: float = 10000.0
+    depformer_dim: int = 1024
+    depformer_dim_feedforward: int = 4224
+    depformer_num_heads: int = 16
+    depformer_num_layers: int = 6
+    delays: tuple[int, ...] = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "delays", tuple(int(d) for d in self.delays))
+        if len(self.delays) != self.num_codebooks:
+            raise ConfigError(f"delays has {len(self.delays)} entries, expected n_q + 1 = {self.num_codebooks}")
+        if self.dim % self.num_heads or self.depformer_dim % self.depformer_num_heads:
+            raise ConfigError("dim and depformer_dim must be divisible by their head counts")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim {self.head_dim} must be even for RoPE")
+        if not 0 < self.dep_q <= self.n_q:
+            raise ConfigError(f"dep_q={self.dep_q} must be in 1..n_q={self.n_q}")
+        if self.n_q - self.dep_q > self.dep_q:
+            raise ConfigError("more user codebooks than model codebooks is not supported")
+        if self.context < 1:
+            raise ConfigError("context must be positive")
+
+    # Derived sizes.
+    @property
+    def num_codebooks(self) -> int:
+        return self.n_q + 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def hidden(self) -> int:
+        return gated_hidden(self.dim, int(self.hidden_scale * self.dim))
+
+    @property
+    def depformer_head_dim(self) -> int:
+        return self.depformer_dim // self.depformer_num_heads
+
+    @property
+    def depformer_hidden(self) -> int:
+        return gated_hidden(self.depformer_dim, self.depformer_dim_feedforward)
+
+    @property
+    def max_delay(self) -> int:
+        return max(self.delays)
+
+    @property
+    def num_user_codebooks(self) -> int:
+        """User audio codebooks fed to the model (`n_q - dep_q`, 8 for Moshi)."""
+        return self.n_q - self.dep_q
+
+    # Special token ids (reference `LMModel` properties).
+    @property
+    def initial_token_id(self) -> int:
+        return self.card
+
+    @property
+    def text_initial_token_id(self) -> int:
+        return self.text_card
+
+    @property
+    def text_padding_token_id(self) -> int:
+        return self.existing_text_padding_id
+
+    @property
+    def end_of_text_padding_id(self) -> int:
+        return self.existing_text_end_padding_id
+
+    def to_reference_json(self) -> dict[str, Any]:
+        """The reference `config.json` form (LM kwargs); readable by both duplexd and `moshi`."""
+        out = dataclasses.asdict(self)
+        out["delays"] = list(self.delays)
+        out.update(_REFERENCE_FIXED)
+        return out
+
+
+# Reference LM kwargs duplexd implements with exactly these values; any other value is refused.
+_REFERENCE_FIXED: dict[str, Any] = {
+    "causal": True,
+    "layer_scale": None,
+    "gating": "silu",
+    "norm": "rms_norm_f32",
+    "positional_embedding": "rope",
+    "depformer_layer_scale": None,
+    "depformer_multi_linear": True,
+    "depformer_max_period": 10000,
+    "depformer_gating": "silu",
+    "depformer_pos_emb": "none",
+    "depformer_weights_per_step": True,
+}
+# Accepted with these values (the reference defaults); anything else changes the architecture.
+_REFERENCE_DEFAULTS: dict[str, Any] = {
+    "kv_repeat": 1,
+    "norm_emb": False,
+    "bias_proj": False,
+    "depformer_norm": None,
+    "depformer_weights_per_step_schedule": None,
+    "depformer_low_rank_embeddings": None,
+    "demux_second_text_stream": False,
+    "extra_heads_num_heads": 0,
+    "cross_attention": False,
+    "conditioners": None,
+    "fuser": None,
+    "lora": False,
+    "text_card_out": None,
+}
+# Keys with no effect on inference here: depformer_context is overridden to None by the reference itself;
+# the rest name files or generation defaults.
+_IGNORED = {
+    "depformer_context", "extra_heads_dim", "moshi_name", "mimi_name", "mimi_config_name", "tokenizer_name",
+    "lora_name", "model_type", "lm_gen_config", "tts_config", "stt_config", "model_id", "lora_rank",
+    "lora_scaling", "depformer_kv_repeat",
+}
+
+
+def lm_config_from_dict(raw: dict[str, Any]) -> LMConfig:
+    """Build an `LMConfig` from the reference's LM kwargs (a parsed `config.json`)."""
+    fields = {f.name for f in dataclasses.fields(LMConfig)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in fields:
+            kwargs[key] = value
+        elif key in _REFERENCE_FIXED or key in _REFERENCE_DEFAULTS:
+            allowed = _REFERENCE_FIXED.get(key, _REFERENCE_DEFAULTS.get(key))
+            if value != allowed and not (key == "text_card_out" and value == raw.get("text_card")):
+                raise ConfigError(f"config key {key!r}={value!r} is not supported (duplexd implements {allowed!r})")
+        elif key not in _IGNORED:
+            raise ConfigError(f"unknown LM config key {key!r}")
+    if "depformer_dim_feedforward" not in kwargs and "depformer_dim" in kwargs:
+        kwargs["depformer_dim_feedforward"] = int(kwargs.get("hidden_scale", 4.125) * kwargs["depformer_dim"])
+    try:
+        return LMConfig(**kwargs)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_lm_config(path: str | Path) -> LMConfig:
+    """Read a reference `config.json`."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object")
+    return lm_config_from_dict(raw)
+
+
+MOSHI_7B = LMConfig()
+
+# Tiny, real architecture: several layers and heads, all 16 input codebooks, 8 DepFormer steps.
+# `text_card` is replaced by the demo tokenizer's vocabulary size when the demo is written.
+DEMO = LMConfig(
+    dim=128,
+    text_card=1000,
+    num_heads=4,
+    num_layers=3,
+    depformer_dim=64,
+    depformer_dim_feedforward=int(4.125 * 64),
+    depformer_num_heads=4,
+    depformer_num_layers=2,
+)
+
+PRESETS: dict[str, LMConfig] = {"moshi-7b": MOSHI_7B, "demo": DEMO}
+
+
+def preset(name: str) -> LMConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-session sampling; reference web-client defaults. Temperature 0 means greedy."""
+
+    text_temperature: float = 0.7
+    text_topk: int = 25
+    audio_temperature: float = 0.8
+    audio_topk: int = 250
+    seed: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if self.text_temperature < 0 or self.audio_temperature < 0:
+            raise ConfigError("temperatures must be >= 0")
+        if self.text_topk < 1 or self.audio_topk < 1:
+            raise ConfigError("top-k values must be >= 1")

@@ -1,0 +1,91 @@
+"""The embedded demo model: a tiny random-weight Moshi LM and tokenizer, written in the reference's format.
+
+It runs everything end to end on a laptop CPU without a download. It has learnt nothing: it speaks noise and
+writes word pieces at random, and says so in the log. Files are written once into the user's cache directory
+(atomically, so concurrent starts never see half a file) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CONFIG_NAME, MOSHI_NAME, build_lm, save_lm_weights
+from .config import DEMO, LMConfig
+from .models.lm import LMModel
+from .tokenizer import TextTokenizer, train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEMO_VERSION = 1
+DEMO_SEED = 20240917
+TOKENIZER_NAME = "tokenizer.model"
+TOKENIZER_VOCAB = 1000
+
+
+@dataclass(frozen=True)
+class DemoFiles:
+    root: Path
+    lm: Path
+    config: Path
+    tokenizer: Path
+
+
+def cache_root() -> Path:
+    """`$DUPLEXD_CACHE`, else `$XDG_CACHE_HOME/duplexd`, else `~/.cache/duplexd`."""
+    if os.environ.get("DUPLEXD_CACHE"):
+        return Path(os.environ["DUPLEXD_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "duplexd"
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@torch.no_grad()
+def random_lm(cfg: LMConfig, seed: int) -> LMModel:
+    """Seeded random weights at the scale of a trained model's init: N(0, 1/fan_in) matrices, unit norms."""
+    gen = torch.Generator().manual_seed(seed)
+    model = build_lm(cfg)
+    for name, p in model.named_parameters():
+        if name.endswith("norm"):
+            p.fill_(1.0)
+        elif "emb" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return model
+
+
+def ensure_demo(root: Path | None = None) -> DemoFiles:
+    """Write the demo files if they are not there yet; return their paths."""
+    root = (root or cache_root()) / f"demo-v{DEMO_VERSION}"
+    files = DemoFiles(root, root / MOSHI_NAME, root / CONFIG_NAME, root / TOKENIZER_NAME)
+    if files.lm.is_file() and files.config.is_file() and files.tokenizer.is_file():
+        return files
+    root.mkdir(parents=True, exist_ok=True)
+    logger.info("writing the demo model (random weights, it speaks noise) to %s", root)
+    corpus = resources.files(__package__).joinpath("data", "demo_corpus.txt").read_text(encoding="utf-8")
+    _atomic_write(files.tokenizer, lambda p: train_tokenizer(corpus.splitlines(), p, TOKENIZER_VOCAB))
+    cfg = dataclasses.replace(DEMO, text_card=TextTokenizer(files.tokenizer).vocab_size)
+    model = random_lm(cfg, DEMO_SEED)
+    _atomic_write(files.lm, lambda p: save_lm_weights(model, p, naming="fused"))
+    config = {**cfg.to_reference_json(), "moshi_name": MOSHI_NAME, "tokenizer_name": TOKENIZER_NAME}
+    _atomic_write(files.config, lambda p: p.write_text(json.dumps(config, indent=2)))
+    return files

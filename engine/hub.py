@@ -1,0 +1,58 @@
+"""Resolve a weights reference to a local file: a path, `file://path`, `hf://org/repo/file`, or a repo id.
+
+Hub downloads go through `huggingface_hub` (and its cache); offline, a file missing from the cache is a clear
+`CheckpointError`, never a traceback from the network stack.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .errors import CheckpointError
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FILE_SUFFIXES = {".safetensors", ".sft", ".sfts", ".json", ".model", ".pt", ".bin"}
+
+
+def hub_file(repo_id: str, filename: str) -> Path:
+    """Download (or find in the cache) `filename` of the Hugging Face repo `repo_id`."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, filename))
+    except LocalEntryNotFoundError:
+        raise CheckpointError(
+            f"{filename} of hf://{repo_id} is not in the local Hugging Face cache and the hub cannot be reached "
+            "(offline); download it first or pass a local path"
+        ) from None
+    except EntryNotFoundError:
+        raise CheckpointError(f"hf://{repo_id} has no file {filename}") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"Hugging Face repo {repo_id} not found (or not accessible)") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot fetch {filename} from hf://{repo_id}: {e}") from None
+
+
+def resolve_file(ref: str | Path, default_name: str) -> Path:
+    """Turn a weights reference into a local file path; `default_name` is used for directories and repo ids."""
+    text = str(ref)
+    if text.startswith("hf://"):
+        parts = text[len("hf://"):].split("/", 2)
+        if len(parts) < 3 or not all(parts):
+            raise CheckpointError(f"hf:// reference must be hf://org/repo/file, got {text!r}")
+        return hub_file(f"{parts[0]}/{parts[1]}", parts[2])
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    path = Path(text).expanduser()
+    if path.is_dir():
+        path = path / default_name
+        if not path.is_file():
+            raise CheckpointError(f"file not found: {path}")
+        return path
+    if path.is_file():
+        return path
+    if not path.exists() and _REPO_ID.match(text) and path.suffix not in _FILE_SUFFIXES:
+        return hub_file(text, default_name)
+    raise CheckpointError(f"file not found: {path}")

@@ -1,0 +1,105 @@
+"""Streaming generation over slots: the token ring buffer with delays, the per-frame step, and realignment.
+
+Semantics follow the reference's `LMGen` with out-of-sync support: every slot has its own position, a step
+advances only the slots given to it, and a slot resets alone. Position n of a slot reads column n of its ring
+(initial tokens wherever n <= the stream's delay), the user codes for frame n are written at n + delay, and the
+returned tokens are realigned so that text and the semantic codebook (sampled at the previous step) come out
+with the acoustic codebooks sampled now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams
+from .models.lm import LMModel
+from .sampling import sample
+
+UNGENERATED = -2
+
+
+@dataclass
+class StepOutput:
+    tokens: torch.Tensor  # [B, 1 + dep_q]: text, then audio codebooks; UNGENERATED where not valid
+    valid: torch.Tensor  # [B] bool: False while the slot is still warming up its delays
+    text_logits: torch.Tensor | None = None  # [B, text_card], for the raw (unaligned) step
+    audio_logits: torch.Tensor | None = None  # [B, dep_q, card]
+
+
+class LMGen:
+    """Per-slot streaming state for `num_slots` conversations sharing one `LMModel`."""
+
+    def __init__(self, model: LMModel, num_slots: int) -> None:
+        cfg = model.cfg
+        device = model.text_emb.device
+        self.model, self.cfg, self.num_slots = model, cfg, num_slots
+        self.ring_size = cfg.max_delay + 2
+        self.ring = torch.full((num_slots, cfg.num_codebooks, self.ring_size), UNGENERATED, device=device)
+        self.offsets = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.cache = model.new_kv_cache(num_slots)
+        self.delays = torch.tensor(cfg.delays, device=device)
+        self.initial = torch.tensor(
+            [cfg.text_initial_token_id] + [cfg.initial_token_id] * cfg.n_q, device=device
+        )
+        self.text_temperature = torch.zeros(num_slots, device=device)
+        self.audio_temperature = torch.zeros(num_slots, device=device)
+        self.text_topk = torch.ones(num_slots, dtype=torch.long, device=device)
+        self.audio_topk = torch.ones(num_slots, dtype=torch.long, device=device)
+        self.seeds = torch.zeros(num_slots, dtype=torch.long, device=device)
+        for slot in range(num_slots):
+            self.reset(slot)
+
+    def reset(self, slot: int, params: SamplingParams | None = None) -> None:
+        """Start a new conversation in `slot`; other slots are untouched."""
+        params = params or SamplingParams()
+        self.ring[slot] = UNGENERATED
+        self.offsets[slot] = 0
+        self.text_temperature[slot] = params.text_temperature
+        self.audio_temperature[slot] = params.audio_temperature
+        self.text_topk[slot] = params.text_topk
+        self.audio_topk[slot] = params.audio_topk
+        self.seeds[slot] = params.seed
+
+    @torch.no_grad()
+    def step(self, slots: torch.Tensor, user_codes: torch.Tensor, return_logits: bool = False) -> StepOutput:
+        """Advance `slots` [B] (distinct) by one frame given the user's codes [B, >= n_q - dep_q]."""
+        cfg, ring, ct = self.cfg, self.ring, self.ring_size
+        n_user = cfg.num_user_codebooks
+        if user_codes.dim() != 2 or user_codes.shape[0] != len(slots) or user_codes.shape[1] < n_user:
+            raise ValueError(f"user_codes must be [{len(slots)}, >= {n_user}], got {list(user_codes.shape)}")
+        slots = slots.to(self.offsets.device)
+        views = torch.equal(slots, torch.arange(len(slots), device=slots.device))
+        offsets = self.offsets[slots]
+        rows = slots[:, None]
+
+        user_streams = torch.arange(cfg.dep_q + 1, cfg.num_codebooks, device=slots.device)
+        write_at = (offsets[:, None] + self.delays[user_streams]) % ct
+        ring[rows, user_streams[None, :], write_at] = user_codes[:, :n_user].to(ring.dtype)
+
+        column = ring[slots, :, :].gather(2, (offsets % ct)[:, None, None].expand(-1, cfg.num_codebooks, 1))[..., 0]
+        is_initial = offsets[:, None] <= self.delays[None, :]
+        tokens_in = torch.where(is_initial, self.initial[None, :], column)
+
+        hidden, text_logits = self.model.forward_text(tokens_in, offsets, self.cache, None if views else slots)
+        seeds = self.seeds[slots]
+        text = sample(text_logits, self.text_temperature[slots], self.text_topk[slots], seeds, offsets, 0)
+        audio_temp, audio_topk = self.audio_temperature[slots], self.audio_topk[slots]
+        depformer = self.model.forward_depformer(
+            hidden, text,
+            lambda step, logits: sample(logits, audio_temp, audio_topk, seeds, offsets, 1 + step),
+            want_logits=return_logits,
+        )
+
+        offsets = offsets + 1
+        self.offsets[slots] = offsets
+        generated = torch.cat([text[:, None], depformer.tokens], dim=1)
+        gen_streams = torch.arange(cfg.dep_q + 1, device=slots.device)
+        ring[rows, gen_streams[None, :], (offsets % ct)[:, None]] = generated
+
+        read_at = (offsets[:, None] - cfg.max_delay + self.delays[gen_streams][None, :]) % ct
+        out = ring[rows, gen_streams[None, :], read_at]
+        valid = offsets > cfg.max_delay
+        out = out.masked_fill(~valid[:, None], UNGENERATED)
+        return StepOutput(out, valid, text_logits if return_logits else None, depformer.logits)

@@ -1,0 +1,150 @@
+"""The Moshi LM: temporal transformer (one step per frame) and the DepFormer (one sub-step per codebook).
+
+Plain PyTorch in the spirit of gpt-fast: weights are stored in the layout the step wants (fused QKV, the
+DepFormer's per-step weights stacked along a leading step axis, all audio embeddings in one table), so a frame
+is a handful of matmuls. `engine.checkpoint` maps the reference's key namings onto these parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from duplexd.kernels.rms_norm import rms_norm
+from duplexd.kernels.rope import apply_rope, rope_angles
+
+from ..config import LMConfig
+from ..slot_kv_cache import SlotKVCache
+
+NORM_EPS = 1e-8
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class TemporalLayer(nn.Module):
+    """Pre-norm block: RoPE self-attention over the slot's window, then the SiLU-gated MLP."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm = _param(dim)
+        self.wqkv = _param(3 * dim, dim)
+        self.wo = _param(dim, dim)
+        self.mlp_norm = _param(dim)
+        self.w_in = _param(2 * hidden, dim)
+        self.w_out = _param(dim, hidden)
+
+
+class DepformerLayer(nn.Module):
+    """DepFormer block; attention and MLP weights have a leading axis of `dep_q` steps, norms are shared."""
+
+    def __init__(self, steps: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm = _param(dim)
+        self.wqkv = _param(steps, 3 * dim, dim)
+        self.wo = _param(steps, dim, dim)
+        self.mlp_norm = _param(dim)
+        self.w_in = _param(steps, 2 * hidden, dim)
+        self.w_out = _param(steps, dim, hidden)
+
+
+def gated_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    """`w_out(silu(gate) * value)`; `w_in` rows are [gate | value] as in the reference."""
+    gate, value = F.linear(x, w_in).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * value, w_out)
+
+
+@dataclass
+class DepformerOutput:
+    tokens: torch.Tensor  # [B, dep_q] sampled audio tokens
+    logits: torch.Tensor | None  # [B, dep_q, card] when requested
+
+
+class LMModel(nn.Module):
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, dd, q = cfg.dim, cfg.depformer_dim, cfg.dep_q
+        self.text_emb = _param(cfg.text_card + 1, d)
+        self.audio_emb = _param(cfg.n_q, cfg.card + 1, d)
+        self.layers = nn.ModuleList(TemporalLayer(d, cfg.hidden) for _ in range(cfg.num_layers))
+        self.out_norm = _param(d)
+        self.text_head = _param(cfg.text_card, d)
+        self.dep_in = _param(q, dd, d)
+        self.dep_text_emb = _param(cfg.text_card + 1, dd)
+        self.dep_audio_emb = _param(q - 1, cfg.card + 1, dd)
+        self.dep_layers = nn.ModuleList(
+            DepformerLayer(q, dd, cfg.depformer_hidden) for _ in range(cfg.depformer_num_layers)
+        )
+        self.dep_heads = _param(q, cfg.card, dd)
+
+    def new_kv_cache(self, num_slots: int) -> SlotKVCache:
+        cfg = self.cfg
+        return SlotKVCache(
+            cfg.num_layers, num_slots, cfg.num_heads, cfg.context, cfg.head_dim,
+            dtype=self.text_emb.dtype, device=self.text_emb.device,
+        )
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Sum of the text and audio embeddings of one column of tokens [B, 1 + n_q]; id -1 embeds as zero."""
+        text, audio = tokens[:, 0], tokens[:, 1:]
+        # Stream k's rows start at k * (card + 1) in the flattened table: one gather for all streams.
+        rows = torch.arange(self.cfg.n_q, device=tokens.device) * (self.cfg.card + 1)
+        audio_x = F.embedding(audio.clamp(min=0) + rows, self.audio_emb.flatten(0, 1))
+        audio_x = audio_x.masked_fill((audio == -1).unsqueeze(-1), 0.0).sum(dim=1)
+        text_x = F.embedding(text.clamp(min=0), self.text_emb).masked_fill((text == -1).unsqueeze(-1), 0.0)
+        return audio_x + text_x
+
+    def forward_text(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, slots: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One temporal step. Returns the post-`out_norm` hidden state [B, dim] and text logits [B, text_card]."""
+        cfg = self.cfg
+        h, dh = cfg.num_heads, cfg.head_dim
+        x = self.embed(tokens)
+        cos, sin = rope_angles(positions, dh, cfg.max_period)
+        for i, layer in enumerate(self.layers):
+            qkv = F.linear(rms_norm(x, layer.attn_norm, NORM_EPS), layer.wqkv).view(-1, 3, h, dh)
+            q, k = apply_rope(qkv[:, 0], cos, sin), apply_rope(qkv[:, 1], cos, sin)
+            keys, values, valid = cache.attend_window(i, slots, positions, k, qkv[:, 2])
+            attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :])
+            x = x + F.linear(attn.flatten(1), layer.wo)
+            x = x + gated_mlp(rms_norm(x, layer.mlp_norm, NORM_EPS), layer.w_in, layer.w_out)
+        x = rms_norm(x, self.out_norm, NORM_EPS)
+        return x, F.linear(x, self.text_head)
+
+    def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
+        """Run the `dep_q` sub-steps; `sample(step, logits [B, card]) -> tokens [B]` picks each codebook.
+
+        Sub-step k uses weight set k and attends to sub-steps 0..k; it is fed `dep_in[k](hidden)` plus the
+        embedding of the token chosen just before it (the text token for k = 0).
+        """
+        cfg = self.cfg
+        q, h, dh = cfg.dep_q, cfg.depformer_num_heads, cfg.depformer_head_dim
+        batch = hidden.shape[0]
+        projected = F.linear(hidden, self.dep_in.flatten(0, 1)).view(batch, q, -1)
+        kv = hidden.new_empty(len(self.dep_layers), 2, batch, h, q, dh)
+        prev = F.embedding(text_token, self.dep_text_emb)
+        tokens, all_logits = [], []
+        for step in range(q):
+            x = projected[:, step] + prev
+            for i, layer in enumerate(self.dep_layers):
+                qkv = F.linear(rms_norm(x, layer.attn_norm, NORM_EPS), layer.wqkv[step]).view(batch, 3, h, dh)
+                kv[i, :, :, :, step] = qkv[:, 1:].transpose(0, 1)
+                attn = F.scaled_dot_product_attention(
+                    qkv[:, 0].unsqueeze(2), kv[i, 0, :, :, : step + 1], kv[i, 1, :, :, : step + 1]
+                )
+                x = x + F.linear(attn.flatten(1), layer.wo[step])
+                x = x + gated_mlp(rms_norm(x, layer.mlp_norm, NORM_EPS), layer.w_in[step], layer.w_out[step])
+            logits = F.linear(x, self.dep_heads[step])
+            token = sample(step, logits)
+            tokens.append(token)
+            if want_logits:
+                all_logits.append(logits)
+            if step + 1 < q:
+                prev = F.embedding(token, self.dep_audio_emb[step])
+        return DepformerOutput(torch.stack(tokens, 1), torch.stack(all_logits, 1) if want_logits else None)

@@ -1,0 +1,18 @@
+import os
+
+# Before anything imports the reference or Triton: the reference compiles RMSNorm on CPU otherwise (≈10 s per
+# process), and Triton kernels must be decorated in interpreter mode to run without a GPU.
+os.environ.setdefault("NO_TORCH_COMPILE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Never touch the user's cache: the demo model is written under a per-session temp dir."""
+    monkeypatch.setenv("DUPLEXD_CACHE", str(tmp_path_factory.getbasetemp() / "duplexd-cache"))
