@@ -126,7 +126,9 @@ def load_lm_weights(model: LMModel, path: Path) -> str:
         for key, row in expected.items():
             shape = tuple(f.get_slice(original[key]).get_shape())
             if shape != row.shape:
-                raise CheckpointError(f"{path}: shape mismatch for {key}: expected {list(row.shape)}, got {list(shape)}")
+                raise CheckpointError(
+                    f"{path}: shape mismatch for {key}: expected {list(row.shape)}, got {list(shape)}"
+                )
         for key, row in expected.items():
             try:
                 tensor = f.get_tensor(original[key])

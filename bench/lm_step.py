@@ -1,0 +1,92 @@
+"""Per-frame LM step time, duplexd against the reference `moshi` LMGen, same random weights, CPU fp32.
+
+Usage: python bench/lm_step.py [--frames 30] [--warmup 5] [--threads 2]
+Prints a table and, as its last line, one JSON object with the figures and ratios (duplexd / reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("NO_TORCH_COMPILE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from duplexd.engine.checkpoint import load_lm  # noqa: E402
+from duplexd.engine.config import LMConfig, SamplingParams  # noqa: E402
+from duplexd.engine.lm_gen import LMGen  # noqa: E402
+from tests.ref_models import reference_lm  # noqa: E402
+
+# Mid-size: d_model 1024 × 8 layers, DepFormer 512 × 2 layers, real vocabularies and context.
+CONFIG = LMConfig(dim=1024, num_heads=16, num_layers=8, depformer_dim=512,
+                  depformer_dim_feedforward=int(4.125 * 512), depformer_num_heads=8, depformer_num_layers=2)
+# The reference LMGen defaults, used on both sides.
+PARAMS = SamplingParams(text_temperature=0.7, text_topk=25, audio_temperature=0.8, audio_topk=250)
+
+
+def _median_ms(step, codes: torch.Tensor, warmup: int) -> float:
+    times = []
+    for frame in range(len(codes)):
+        started = time.perf_counter()
+        step(codes[frame])
+        if frame >= warmup:
+            times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+@torch.no_grad()
+def run(batch: int, ref_lm, model, frames: int, warmup: int) -> tuple[float, float]:
+    codes = torch.randint(0, CONFIG.card, (frames + warmup, batch, CONFIG.num_user_codebooks),
+                          generator=torch.Generator().manual_seed(batch))
+    ref = RefLMGen(ref_lm, temp=PARAMS.audio_temperature, top_k=PARAMS.audio_topk,
+                   temp_text=PARAMS.text_temperature, top_k_text=PARAMS.text_topk)
+    with ref.streaming(batch):
+        ref_ms = _median_ms(lambda c: ref.step(c[:, :, None]), codes, warmup)
+    gen = LMGen(model, num_slots=batch)
+    for slot in range(batch):
+        gen.reset(slot, PARAMS)
+    slots = torch.arange(batch)
+    dx_ms = _median_ms(lambda c: gen.step(slots, c), codes, warmup)
+    return dx_ms, ref_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=30, help="timed frames (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    ref_lm = reference_lm(CONFIG, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "lm.safetensors"
+        save_file({k: v.contiguous() for k, v in ref_lm.state_dict().items()}, str(path))
+        model = load_lm(path, CONFIG)
+
+    result: dict[str, object] = {"bench": "lm_step"}
+    print(f"LM step, CPU fp32, {args.threads} threads, median of {args.frames} frames after {args.warmup} warm-up")
+    print(f"config: dim {CONFIG.dim} x {CONFIG.num_layers} layers, depformer {CONFIG.depformer_dim} x "
+          f"{CONFIG.depformer_num_layers}, text_card {CONFIG.text_card}, context {CONFIG.context}")
+    print(f"{'batch':>5} {'duplexd ms':>11} {'reference ms':>13} {'ratio':>7}")
+    for batch in (1, 4):
+        dx_ms, ref_ms = run(batch, ref_lm, model, args.frames, args.warmup)
+        ratio = dx_ms / ref_ms
+        print(f"{batch:>5} {dx_ms:>11.2f} {ref_ms:>13.2f} {ratio:>7.3f}")
+        result.update({f"duplexd_ms_b{batch}": round(dx_ms, 3), f"reference_ms_b{batch}": round(ref_ms, 3),
+                       f"ratio_b{batch}": round(ratio, 3)})
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

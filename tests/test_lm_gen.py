@@ -1,0 +1,68 @@
+"""Streaming generation with sampling: a session's output depends on its seed, not on its batch companions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duplexd.engine.config import LMConfig, SamplingParams
+from duplexd.engine.demo import random_lm
+from duplexd.engine.lm_gen import UNGENERATED, LMGen
+
+CFG = LMConfig(dim=48, text_card=91, num_heads=3, num_layers=2, depformer_dim=32,
+               depformer_dim_feedforward=132, depformer_num_heads=2, depformer_num_layers=2, context=12)
+PARAMS = SamplingParams(text_temperature=1.0, text_topk=20, audio_temperature=1.0, audio_topk=100, seed=7)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_lm(CFG, seed=0)
+
+
+def _codes(n, seed):
+    return torch.randint(0, CFG.card, (n, CFG.num_user_codebooks), generator=torch.Generator().manual_seed(seed))
+
+
+def test_same_seed_same_conversation_whatever_the_batch(model):
+    frames = 20
+    mine = _codes(frames, 1)
+    alone = LMGen(model, num_slots=1)
+    alone.reset(0, PARAMS)
+    solo = [alone.step(torch.tensor([0]), mine[t : t + 1]).tokens[0] for t in range(frames)]
+
+    shared = LMGen(model, num_slots=3)
+    shared.reset(2, PARAMS)
+    shared.reset(0, SamplingParams(seed=99))
+    other = _codes(frames + 5, 2)
+    for t in range(5):  # a companion that started earlier
+        shared.step(torch.tensor([0]), other[t : t + 1])
+    together = []
+    for t in range(frames):
+        slots = torch.tensor([0, 2] if t % 3 else [2])
+        codes = torch.stack([other[t + 5], mine[t]]) if t % 3 else mine[t : t + 1]
+        together.append(shared.step(slots, codes).tokens[-1])
+    assert torch.equal(torch.stack(solo), torch.stack(together))
+    assert len({tuple(r.tolist()) for r in solo}) > frames // 2, "sampling should vary between frames"
+
+
+def test_different_seeds_differ(model):
+    gen = LMGen(model, num_slots=2)
+    gen.reset(0, PARAMS)
+    gen.reset(1, SamplingParams(**{**PARAMS.__dict__, "seed": 8}))
+    codes = _codes(10, 3)
+    outs = [gen.step(torch.tensor([0, 1]), torch.stack([codes[t], codes[t]])).tokens for t in range(10)]
+    assert any(not torch.equal(o[0], o[1]) for o in outs[1:])
+
+
+def test_warm_up_frame_is_marked_invalid(model):
+    gen = LMGen(model, num_slots=1)
+    first = gen.step(torch.tensor([0]), _codes(1, 4))
+    assert not first.valid[0] and (first.tokens == UNGENERATED).all()
+    second = gen.step(torch.tensor([0]), _codes(1, 5))
+    assert second.valid[0] and (second.tokens >= 0).all()
+
+
+def test_bad_user_codes_shape(model):
+    gen = LMGen(model, num_slots=2)
+    with pytest.raises(ValueError, match="user_codes must be"):
+        gen.step(torch.tensor([0, 1]), torch.zeros(2, 3, dtype=torch.long))
