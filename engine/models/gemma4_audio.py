@@ -227,6 +227,34 @@ def causal_depthwise(x: torch.Tensor, weight: torch.Tensor, history: torch.Tenso
     return y
 
 
+class Packing:
+    """Valid tokens of a right-padded batch, packed into rows: token-wise layers skip the padding entirely.
+
+    Only the attention and the depthwise conv need the [B, T] layout; they scatter into it (zeros at padding,
+    which is masked as a key and, being after every valid token, never reaches the causal conv) and gather back.
+    """
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.shape = tuple(mask.shape)
+        self.index = mask.reshape(-1).nonzero().squeeze(1)
+
+    @staticmethod
+    def applies(mask: torch.Tensor) -> bool:
+        """Worth it and exact: some padding, and every row is valid-prefix-then-padding."""
+        if bool(mask.all()):
+            return False
+        n = mask.sum(1, keepdim=True)
+        return bool((mask == (torch.arange(mask.shape[1], device=mask.device)[None] < n)).all())
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(self.shape[0] * self.shape[1], *x.shape[1:])
+        out.index_copy_(0, self.index, x)
+        return out.view(*self.shape, *x.shape[1:])
+
+
 # --------------------------------------------------------------------------------------------------- modules
 
 
@@ -338,9 +366,8 @@ class Attention(nn.Module):
         return rk.view(self.window, self.num_heads, self.head_dim).permute(1, 2, 0)  # [H, D, W]
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (scaled), k (scaled), v as float32 [B, T, H, D]."""
-        b, t, _ = x.shape
-        shape = (b, t, self.num_heads, self.head_dim)
+        """q (scaled), k (scaled), v as float32 [..., H, D] for x [..., d]."""
+        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
         if self._qkv is not None:
             qkv = linear(self.q_proj.clip_in(x), self._qkv, self._qkv_packed)
             q, k, v = qkv.split(self.cfg.hidden_size, dim=-1)
@@ -365,10 +392,14 @@ class Attention(nn.Module):
         logits.masked_fill_(~valid, self.cfg.attention_invalid_logits_value)
         return torch.softmax(logits, dim=-1) @ v
 
-    def forward(self, x: torch.Tensor, key_valid: torch.Tensor, block: int = 32) -> torch.Tensor:
-        """Whole sequence. x [B, T, d]; key_valid [B, T] bool."""
-        b, t, _ = x.shape
+    def forward(
+        self, x: torch.Tensor, key_valid: torch.Tensor, packing: Packing | None = None, block: int = 32
+    ) -> torch.Tensor:
+        """Whole sequences. x [B, T, d] (or packed [N, d] with `packing`); key_valid [B, T] bool."""
         q, k, v = self.project_qkv(x)
+        if packing is not None:
+            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
+        b, t = q.shape[:2]
         w, blk = self.window, min(block, t)
         nb = -(-t // blk)
         pad = nb * blk - t
@@ -381,6 +412,8 @@ class Attention(nn.Module):
         kv_valid = F.pad(key_valid, (w - 1, pad), value=False).unfold(1, blk + w - 1, blk)  # [B, nb, L]
         out = self.attend(qb, windows(k), windows(v), kv_valid)  # [B, H, nb, blk, D]
         out = out.permute(0, 2, 3, 1, 4).reshape(b, nb * blk, -1)[:, :t]
+        if packing is not None:
+            out = packing.pack(out)
         return self.post(out.to(x.dtype))
 
     def step(
@@ -413,10 +446,15 @@ class LightConv1d(nn.Module):
         self.conv_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.clip = cfg.gradient_clipping
 
-    def forward(self, x: torch.Tensor, history: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, history: torch.Tensor | None = None, packing: Packing | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output, GLU outputs [B, T, d]: the conv history a stream keeps)."""
         g = F.glu(self.linear_start(self.pre_layer_norm(x)), dim=-1)
-        h = causal_depthwise(g, self.depthwise_conv1d.weight, history)
+        if packing is not None:
+            h = packing.pack(causal_depthwise(packing.unpack(g), self.depthwise_conv1d.weight, None))
+        else:
+            h = causal_depthwise(g, self.depthwise_conv1d.weight, history)
         c = min(self.clip, torch.finfo(h.dtype).max)
         h = F.silu(self.conv_norm(h.clamp_(-c, c)), inplace=True)
         return x + self.linear_end(h), g
@@ -439,16 +477,16 @@ class ConformerLayer(nn.Module):
         g = min(self.clip, torch.finfo(x.dtype).max)
         return self.norm_pre_attn(x.clamp(-g, g))
 
-    def _finish(self, x: torch.Tensor, a: torch.Tensor, conv_hist: torch.Tensor | None):
+    def _finish(self, x: torch.Tensor, a: torch.Tensor, conv_hist: torch.Tensor | None, packing=None):
         g = min(self.clip, torch.finfo(x.dtype).max)
         x = x + self.norm_post_attn(a.clamp_(-g, g))
-        x, glu = self.lconv1d(x, conv_hist)
+        x, glu = self.lconv1d(x, conv_hist, packing)
         x = self.feed_forward2(x)
         return self.norm_out(x.clamp_(-g, g)), glu
 
-    def forward(self, x: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_valid: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
         x = self.feed_forward1(x)
-        return self._finish(x, self.self_attn(self._attn_in(x), key_valid), None)[0]
+        return self._finish(x, self.self_attn(self._attn_in(x), key_valid, packing), None, packing)[0]
 
     def step(self, x, k_hist, v_hist, hist_valid, conv_hist):
         x = self.feed_forward1(x)
@@ -490,13 +528,20 @@ class Gemma4AudioTower(nn.Module):
     def forward(
         self, features: torch.Tensor, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """features [B, T, bins], mask [B, T] (True = valid) -> ([B, ceil(T/4), out], token mask [B, T/4])."""
+        """features [B, T, bins], mask [B, T] (True = valid) -> ([B, ceil(T/4), out], token mask [B, T/4]).
+
+        Outputs at padded positions are zeros (HF leaves values there that nothing may use).
+        """
         x, tmask = self.subsample_conv_projection(features, mask)
         if tmask is None:
             tmask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+        packing = Packing(tmask) if Packing.applies(tmask) else None
+        if packing is not None:
+            x = packing.pack(x)
         for layer in self.layers:
-            x = layer(x, tmask)
-        return self.output(x), tmask
+            x = layer(x, tmask, packing)
+        x = self.output(x)
+        return (packing.unpack(x) if packing is not None else x), tmask
 
 
 class Gemma4AudioEmbedder(nn.Module):
