@@ -32,12 +32,20 @@ NAMINGS = ("module", "fused")
 
 @dataclass(frozen=True)
 class KeyMap:
-    """One checkpoint tensor: its key, shape, and where it lands (a parameter, or one step of it)."""
+    """One checkpoint tensor: its key, shape, and where it lands (a parameter, or one step of it).
+
+    Projection weights are [out, in] in the checkpoint and [in, out] in duplexd (`transposed`).
+    """
 
     key: str
     shape: tuple[int, ...]
     param: str
     index: int | None = None
+    transposed: bool = False
+
+
+def _linear(key: str, shape: tuple[int, int], param: str, index: int | None = None) -> KeyMap:
+    return KeyMap(key, shape, param, index, transposed=True)
 
 
 def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
@@ -48,23 +56,23 @@ def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
     rows: list[KeyMap] = [KeyMap(f"emb.{k}.weight", (card + 1, d), "audio_emb", k) for k in range(cfg.n_q)]
     rows += [
         KeyMap("text_emb.weight", (cfg.text_card + 1, d), "text_emb"),
-        KeyMap("text_linear.weight", (cfg.text_card, d), "text_head"),
+        _linear("text_linear.weight", (cfg.text_card, d), "text_head"),
     ]
     for i in range(cfg.num_layers):
         pre, dst = f"transformer.layers.{i}.", f"layers.{i}."
         attn = (
-            [KeyMap(pre + "self_attn.in_projs.0.weight", (3 * d, d), dst + "wqkv"),
-             KeyMap(pre + "self_attn.out_projs.0.weight", (d, d), dst + "wo")]
+            [_linear(pre + "self_attn.in_projs.0.weight", (3 * d, d), dst + "wqkv"),
+             _linear(pre + "self_attn.out_projs.0.weight", (d, d), dst + "wo")]
             if naming == "module" else
-            [KeyMap(pre + "self_attn.in_proj_weight", (3 * d, d), dst + "wqkv"),
-             KeyMap(pre + "self_attn.out_proj.weight", (d, d), dst + "wo")]
+            [_linear(pre + "self_attn.in_proj_weight", (3 * d, d), dst + "wqkv"),
+             _linear(pre + "self_attn.out_proj.weight", (d, d), dst + "wo")]
         )
         rows += [KeyMap(pre + "norm1.alpha", (1, 1, d), dst + "attn_norm"), *attn,
                  KeyMap(pre + "norm2.alpha", (1, 1, d), dst + "mlp_norm"),
-                 KeyMap(pre + "gating.linear_in.weight", (2 * cfg.hidden, d), dst + "w_in"),
-                 KeyMap(pre + "gating.linear_out.weight", (d, cfg.hidden), dst + "w_out")]
+                 _linear(pre + "gating.linear_in.weight", (2 * cfg.hidden, d), dst + "w_in"),
+                 _linear(pre + "gating.linear_out.weight", (d, cfg.hidden), dst + "w_out")]
     rows.append(KeyMap("out_norm.alpha", (1, 1, d), "out_norm"))
-    rows += [KeyMap(f"depformer_in.{k}.weight", (dd, d), "dep_in", k) for k in range(q)]
+    rows += [_linear(f"depformer_in.{k}.weight", (dd, d), "dep_in", k) for k in range(q)]
     rows += [KeyMap(f"depformer_emb.{k}.weight", (card + 1, dd), "dep_audio_emb", k) for k in range(q - 1)]
     rows.append(KeyMap("depformer_text_emb.weight", (cfg.text_card + 1, dd), "dep_text_emb"))
     hid = cfg.depformer_hidden
@@ -73,22 +81,23 @@ def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
         rows += [KeyMap(pre + "norm1.alpha", (1, 1, dd), dst + "attn_norm"),
                  KeyMap(pre + "norm2.alpha", (1, 1, dd), dst + "mlp_norm")]
         if naming == "module":
-            rows += [KeyMap(pre + f"self_attn.in_projs.{k}.weight", (3 * dd, dd), dst + "wqkv", k) for k in range(q)]
-            rows += [KeyMap(pre + f"self_attn.out_projs.{k}.weight", (dd, dd), dst + "wo", k) for k in range(q)]
+            rows += [_linear(pre + f"self_attn.in_projs.{k}.weight", (3 * dd, dd), dst + "wqkv", k) for k in range(q)]
+            rows += [_linear(pre + f"self_attn.out_projs.{k}.weight", (dd, dd), dst + "wo", k) for k in range(q)]
         else:
-            rows += [KeyMap(pre + "self_attn.in_proj_weight", (q * 3 * dd, dd), dst + "wqkv"),
-                     KeyMap(pre + "self_attn.out_proj.weight", (q * dd, dd), dst + "wo")]
+            rows += [_linear(pre + "self_attn.in_proj_weight", (q * 3 * dd, dd), dst + "wqkv"),
+                     _linear(pre + "self_attn.out_proj.weight", (q * dd, dd), dst + "wo")]
         for k in range(q):
-            rows += [KeyMap(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), dst + "w_in", k),
-                     KeyMap(pre + f"gating.{k}.linear_out.weight", (dd, hid), dst + "w_out", k)]
-    rows += [KeyMap(f"linears.{k}.weight", (card, dd), "dep_heads", k) for k in range(q)]
+            rows += [_linear(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), dst + "w_in", k),
+                     _linear(pre + f"gating.{k}.linear_out.weight", (dd, hid), dst + "w_out", k)]
+    rows += [_linear(f"linears.{k}.weight", (card, dd), "dep_heads", k) for k in range(q)]
     return rows
 
 
 def _target(params: dict[str, torch.Tensor], row: KeyMap) -> torch.Tensor:
-    """The parameter slice a checkpoint tensor fills, viewed in the checkpoint's shape."""
+    """The parameter slice a checkpoint tensor fills, as a view in the checkpoint's orientation."""
     p = params[row.param]
-    return (p if row.index is None else p[row.index]).view(row.shape)
+    p = p if row.index is None else p[row.index]
+    return p.transpose(-1, -2) if row.transposed else p
 
 
 def _normalise(key: str) -> str:
@@ -134,14 +143,15 @@ def load_lm_weights(model: LMModel, path: Path) -> str:
                 tensor = f.get_tensor(original[key])
             except SafetensorError as e:
                 raise CheckpointError(f"{path}: cannot read {key} (truncated or corrupt file?): {e}") from None
-            _target(params, row).copy_(tensor)
+            target = _target(params, row)
+            target.copy_(tensor.view(target.shape))
     return naming
 
 
 def save_lm_weights(model: LMModel, path: str | Path, naming: str = "fused") -> None:
     """Write `model` as a reference-format LM checkpoint (loadable by `moshi` and by duplexd)."""
     params = dict(model.named_parameters())
-    tensors = {row.key: _target(params, row).contiguous() for row in key_map(model.cfg, naming)}
+    tensors = {row.key: _target(params, row).reshape(row.shape).contiguous() for row in key_map(model.cfg, naming)}
     save_file(tensors, str(path))
 
 

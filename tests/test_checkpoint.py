@@ -55,7 +55,7 @@ def test_both_namings_load_the_same_weights(ref, tmp_path, naming):
                else fused_state_dict(ref, CFG))
     save_file(tensors, str(tmp_path / "m.safetensors"))
     model = load_lm(tmp_path / "m.safetensors", CFG)
-    assert torch.equal(model.dep_layers[1].wqkv[5], ref.depformer.layers[1].self_attn.in_projs[5].weight)
+    assert torch.equal(model.dep_layers[1].wqkv[5].t(), ref.depformer.layers[1].self_attn.in_projs[5].weight)
     assert torch.equal(model.layers[1].attn_norm, ref.transformer.layers[1].norm1.alpha.flatten())
     assert torch.equal(model.audio_emb[15], ref.emb[15].weight)
 
@@ -77,7 +77,7 @@ def test_config_json_beside_the_weights_and_dtype_cast(ref, good_file):
     model = load_lm(good_file.parent, dtype=torch.bfloat16)  # a folder: model.safetensors + config.json
     assert model.cfg == CFG
     assert model.text_head.dtype == torch.bfloat16
-    assert torch.equal(model.text_head, ref.text_linear.weight.to(torch.bfloat16))
+    assert torch.equal(model.text_head.t(), ref.text_linear.weight.to(torch.bfloat16))
 
 
 def test_file_url_form(good_file):
