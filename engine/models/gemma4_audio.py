@@ -115,19 +115,25 @@ def pack_weight(weight: torch.Tensor, rows_hint: int = 64) -> torch.Tensor | Non
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None):
-    """x @ weight.T (+ bias) through the packed oneDNN weight when there is one."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    clamp: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), then clamp(lo, hi) if given; fused into the oneDNN call when the weight is packed."""
     if packed is not None:
+        if clamp is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "hardtanh", list(clamp), "")
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return y if clamp is None else y.clamp_(*clamp)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm: fp32 math, weight used as-is (not 1 + w)."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
+    """Gemma RMSNorm: fp32 math, weight used as-is (not 1 + w). torch's fused op gives the same bits."""
+    y = F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps)
     return y.to(x.dtype)
 
 
@@ -168,11 +174,20 @@ class ClippableLinear(nn.Module):
             self._bounds = (None, None, None, None)
         self.packed = pack_weight(self.linear.weight) if pack else None
 
-    def clip_in(self, x: torch.Tensor) -> torch.Tensor:
+    def clip_in(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         if self._bounds is None:
             return torch.clamp(x, self.input_min, self.input_max) if self.clipped else x
         lo, hi = self._bounds[0], self._bounds[1]
-        return x if lo is None and hi is None else x.clamp(lo, hi)
+        if lo is None and hi is None:
+            return x
+        return x.clamp_(lo, hi) if inplace else x.clamp(lo, hi)
+
+    def _out_clamp(self) -> tuple[float, float] | None:
+        """Output bounds for a fused clamp (None when both are infinite or not cached yet)."""
+        if self._bounds is None or (self._bounds[2] is None and self._bounds[3] is None):
+            return None
+        lo, hi = self._bounds[2], self._bounds[3]
+        return (-math.inf if lo is None else lo, math.inf if hi is None else hi)
 
     def clip_out(self, y: torch.Tensor) -> torch.Tensor:
         if self._bounds is None:
@@ -180,8 +195,11 @@ class ClippableLinear(nn.Module):
         lo, hi = self._bounds[2], self._bounds[3]
         return y if lo is None and hi is None else y.clamp_(lo, hi)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.clip_out(linear(self.clip_in(x), self.linear.weight, self.packed))
+    def forward(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """`inplace` lets the input clamp overwrite x (for temporaries)."""
+        if self._bounds is None:
+            return self.clip_out(linear(self.clip_in(x), self.linear.weight, self.packed))
+        return linear(self.clip_in(x, inplace), self.linear.weight, self.packed, clamp=self._out_clamp())
 
 
 def relative_positions(hidden: int, window: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -268,8 +286,17 @@ class SubsampleLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, time_padding: int) -> torch.Tensor:
         """x [B, C, T, F] -> [B, T', F', C'] (channels last). `time_padding` is 1 for files, 0 for streams."""
-        y = F.conv2d(x, self.conv.weight, stride=2, padding=(time_padding, 1))
-        return torch.relu(self.norm(y.permute(0, 2, 3, 1)))
+        w = self.conv.weight
+        if w.shape[1] == 1:
+            # One input channel: 9 taps gathered by unfold and one matmul land channels-last directly, which is
+            # cheaper than a conv with 128 output planes followed by a transposing copy for the LayerNorm.
+            b, _, t, f = x.shape
+            cols = F.unfold(x, kernel_size=3, stride=2, padding=(time_padding, 1))  # [B, 9, T'*F']
+            t_out, f_out = (t + 2 * time_padding - 3) // 2 + 1, (f - 1) // 2 + 1
+            y = (cols.transpose(1, 2) @ w.view(w.shape[0], 9).t()).view(b, t_out, f_out, -1)
+        else:
+            y = F.conv2d(x, w, stride=2, padding=(time_padding, 1)).permute(0, 2, 3, 1)
+        return torch.relu_(self.norm(y))
 
 
 class SubsampleConvProjection(nn.Module):
@@ -323,8 +350,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = min(self.clip, torch.finfo(x.dtype).max)
         h = self.pre_layer_norm(x.clamp(-g, g))
-        h = F.silu(self.ffw_layer_1(h), inplace=True)
-        h = self.post_layer_norm(self.ffw_layer_2(h).clamp_(-g, g))
+        h = F.silu(self.ffw_layer_1(h, inplace=True), inplace=True)
+        h = self.post_layer_norm(self.ffw_layer_2(h, inplace=True).clamp_(-g, g))
         return torch.add(x, h, alpha=self.scale)
 
 
@@ -450,14 +477,14 @@ class LightConv1d(nn.Module):
         self, x: torch.Tensor, history: torch.Tensor | None = None, packing: Packing | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output, GLU outputs [B, T, d]: the conv history a stream keeps)."""
-        g = F.glu(self.linear_start(self.pre_layer_norm(x)), dim=-1)
+        g = F.glu(self.linear_start(self.pre_layer_norm(x), inplace=True), dim=-1)
         if packing is not None:
             h = packing.pack(causal_depthwise(packing.unpack(g), self.depthwise_conv1d.weight, None))
         else:
             h = causal_depthwise(g, self.depthwise_conv1d.weight, history)
         c = min(self.clip, torch.finfo(h.dtype).max)
         h = F.silu(self.conv_norm(h.clamp_(-c, c)), inplace=True)
-        return x + self.linear_end(h), g
+        return x + self.linear_end(h, inplace=True), g
 
 
 class ConformerLayer(nn.Module):
