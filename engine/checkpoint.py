@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from .config import MOSHI_7B, ConfigError, LMConfig, lm_config_from_dict
 from .errors import CheckpointError
-from .hub import resolve_file
+from .hub import hub_file, hub_repo, resolve_file
 from .models.lm import LMModel
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,11 @@ def _config_for(weights: Path, config: LMConfig | str | Path | None, weights_ref
             raw = json.loads(Path(resolve_file(config, CONFIG_NAME)).read_text())
             return lm_config_from_dict(raw)
         beside = weights.parent / CONFIG_NAME
+        if not beside.is_file() and (repo := hub_repo(weights_ref)) is not None:
+            try:
+                beside = hub_file(repo, CONFIG_NAME)
+            except CheckpointError as e:
+                logger.info("no config from hf://%s: %s", repo, e)
         if beside.is_file():
             return lm_config_from_dict(json.loads(beside.read_text()))
     except json.JSONDecodeError as e:

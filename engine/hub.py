@@ -35,6 +35,17 @@ def hub_file(repo_id: str, filename: str) -> Path:
         raise CheckpointError(f"cannot fetch {filename} from hf://{repo_id}: {e}") from None
 
 
+def hub_repo(ref: str | Path) -> str | None:
+    """The repo id of a hub reference (`hf://org/repo/file` or `org/repo`), None for local files."""
+    text = str(ref)
+    if text.startswith("hf://"):
+        return "/".join(text[len("hf://"):].split("/", 2)[:2])
+    path = Path(text).expanduser()
+    if not path.exists() and _REPO_ID.match(text) and path.suffix not in _FILE_SUFFIXES:
+        return text
+    return None
+
+
 def resolve_file(ref: str | Path, default_name: str) -> Path:
     """Turn a weights reference into a local file path; `default_name` is used for directories and repo ids."""
     text = str(ref)
@@ -53,6 +64,6 @@ def resolve_file(ref: str | Path, default_name: str) -> Path:
         return path
     if path.is_file():
         return path
-    if not path.exists() and _REPO_ID.match(text) and path.suffix not in _FILE_SUFFIXES:
+    if hub_repo(text) is not None:
         return hub_file(text, default_name)
     raise CheckpointError(f"file not found: {path}")

@@ -147,3 +147,23 @@ def test_bad_config_json(good_file):
     cfg_path.write_text("{ not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         load_lm(good_file)
+
+
+def test_hub_repo_id_and_hf_url_from_the_local_cache(good_file, tmp_path, monkeypatch):
+    """Offline, a repo already in the Hugging Face cache loads by repo id (config.json included) and hf:// URL."""
+    import huggingface_hub.constants as constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hf" / "hub" / "models--acme--tiny-moshi"
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    (snapshot / "model.safetensors").write_bytes(good_file.read_bytes())
+    (snapshot / "config.json").write_text(json.dumps(CFG.to_reference_json()))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    by_id = load_lm("acme/tiny-moshi")
+    assert by_id.cfg == CFG
+    by_url = load_lm("hf://acme/tiny-moshi/model.safetensors")
+    assert _same_weights(by_id, by_url)
