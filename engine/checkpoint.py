@@ -18,10 +18,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import MOSHI_7B, ConfigError, LMConfig, lm_config_from_dict
+from .config import MIMI, MOSHI_7B, ConfigError, LMConfig, MimiConfig, lm_config_from_dict
 from .errors import CheckpointError
 from .hub import hub_file, hub_repo, resolve_file
 from .models.lm import LMModel
+from .models.mimi import MimiModel, reference_keys
 
 logger = logging.getLogger(__name__)
 
@@ -201,4 +202,90 @@ def load_lm(
     model = build_lm(cfg, device, dtype)
     naming = load_lm_weights(model, path)
     logger.info("loaded LM from %s (%s naming, %d layers, dim %d)", path, naming, cfg.num_layers, cfg.dim)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------- Mimi
+
+MIMI_NAME = "tokenizer-e351c8d8-checkpoint125.safetensors"
+# Codebook buffer names of older checkpoints (the reference's `EuclideanCodebook._load_from_state_dict`).
+_OLD_CODEBOOK_NAMES = {"inited": "_initialized", "cluster_size": "cluster_usage",
+                       "embed_avg": "embedding_sum", "embed_sum": "embedding_sum"}
+
+
+def mimi_key_map(model: MimiModel, naming: str) -> list[KeyMap]:
+    """Every tensor of a reference Mimi checkpoint in the given naming ("module" or "fused")."""
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {NAMINGS}")
+    return [KeyMap(key, shape, name, transposed=transposed)
+            for key, name, shape, transposed in reference_keys(model, naming)]
+
+
+def _normalise_mimi(key: str) -> str:
+    key = _normalise(key)
+    if "._codebook." in key:
+        prefix, leaf = key.rsplit(".", 1)
+        key = f"{prefix}.{_OLD_CODEBOOK_NAMES.get(leaf, leaf)}"
+    return key
+
+
+def load_mimi_weights(model: MimiModel, path: Path) -> str:
+    """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`."""
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+    with handle as f:
+        original = {_normalise_mimi(k): k for k in f.keys()}
+        naming = detect_naming(set(original))
+        expected = {row.key: row for row in mimi_key_map(model, naming)}
+        missing = set(expected) - set(original)
+        unexpected = set(original) - set(expected)
+        if missing:
+            raise CheckpointError(f"{path}: {len(missing)} missing Mimi key(s) ({naming} naming): {_few(missing)}")
+        if unexpected:
+            raise CheckpointError(f"{path}: {len(unexpected)} unexpected Mimi key(s): {_few(unexpected)}")
+        for key, row in expected.items():
+            shape = tuple(f.get_slice(original[key]).get_shape())
+            if shape != row.shape:
+                raise CheckpointError(
+                    f"{path}: shape mismatch for {key}: expected {list(row.shape)}, got {list(shape)}"
+                )
+        for key, row in expected.items():
+            try:
+                tensor = f.get_tensor(original[key])
+            except SafetensorError as e:
+                raise CheckpointError(f"{path}: cannot read {key} (truncated or corrupt file?): {e}") from None
+            target = _target(tensors, row)
+            target.copy_(tensor.view(target.shape))
+    return naming
+
+
+def save_mimi_weights(model: MimiModel, path: str | Path, naming: str = "module") -> None:
+    """Write `model` as a reference-format Mimi checkpoint (loads strictly into the reference `MimiModel`)."""
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    out = {row.key: _target(tensors, row).reshape(row.shape).contiguous() for row in mimi_key_map(model, naming)}
+    save_file(out, str(path))
+
+
+def load_mimi(
+    weights: str | Path,
+    config: MimiConfig | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> MimiModel:
+    """Load Mimi from a local file or folder, `file://`, `hf://org/repo/file`, or a Hugging Face repo id.
+
+    `config` defaults to the released Mimi (`MIMI`); the reference keeps no Mimi config beside the weights.
+    """
+    cfg = config or MIMI
+    path = resolve_file(weights, MIMI_NAME)
+    with torch.device("meta"):
+        model = MimiModel(cfg)
+    model = model.to(dtype).to_empty(device=device).eval()
+    naming = load_mimi_weights(model, path)
+    logger.info("loaded Mimi from %s (%s naming, %d codebooks used)", path, naming, cfg.num_codebooks)
     return model

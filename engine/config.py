@@ -232,3 +232,121 @@ class SamplingParams:
             raise ConfigError("temperatures must be >= 0")
         if self.text_topk < 1 or self.audio_topk < 1:
             raise ConfigError("top-k values must be >= 1")
+
+
+@dataclass(frozen=True)
+class MimiConfig:
+    """The Mimi codec (reference `loaders._mimi_config`): SEANet + transformers + split RVQ.
+
+    The encoder SEANet downsamples by `prod(ratios)` to `sample_rate / hop` Hz, a learnt strided conv takes that
+    to `frame_rate`; one codec frame is `frame_size` samples. Only the first `num_codebooks` codebooks are used.
+    """
+
+    sample_rate: int = 24000
+    frame_rate: float = 12.5
+    channels: int = 1
+    # SEANet
+    dimension: int = 512
+    n_filters: int = 64
+    ratios: tuple[int, ...] = (8, 6, 5, 4)
+    n_residual_layers: int = 1
+    kernel_size: int = 7
+    last_kernel_size: int = 3
+    residual_kernel_size: int = 3
+    dilation_base: int = 2
+    compress: int = 2
+    # Encoder and decoder transformers (d_model = dimension)
+    num_heads: int = 8
+    num_layers: int = 8
+    dim_feedforward: int = 2048
+    layer_scale: float = 0.01
+    context: int = 250
+    max_period: float = 10000.0
+    # Split residual vector quantizer
+    codebook_dim: int = 256
+    n_q: int = 32
+    n_q_semantic: int = 1
+    card: int = 2048
+    num_codebooks: int = 8
+    # The released model upsamples channel-wise (reference `upsample_channel_wise_bug=True`).
+    upsample_channel_wise: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ratios", tuple(int(r) for r in self.ratios))
+        if self.channels != 1:
+            raise ConfigError("only mono Mimi is supported")
+        if self.dimension % self.num_heads or (self.dimension // self.num_heads) % 2:
+            raise ConfigError("dimension must split into heads of even size")
+        if self.encoder_frame_rate % self.frame_rate or self.encoder_frame_rate <= self.frame_rate:
+            raise ConfigError(
+                f"encoder rate {self.encoder_frame_rate} Hz must be an integer multiple of frame_rate {self.frame_rate}"
+            )
+        if self.sample_rate % self.frame_rate or self.frame_size != self.hop_length * self.downsample_stride:
+            raise ConfigError("frame_size must be a whole number of samples")
+        if not self.n_q_semantic < self.n_q or not self.n_q_semantic <= self.num_codebooks <= self.n_q:
+            raise ConfigError(f"num_codebooks={self.num_codebooks} must be in {self.n_q_semantic}..{self.n_q}")
+        if self.context < 1:
+            raise ConfigError("context must be positive")
+
+    @property
+    def hop_length(self) -> int:
+        """Samples per encoder (SEANet) step."""
+        hop = 1
+        for ratio in self.ratios:
+            hop *= ratio
+        return hop
+
+    @property
+    def encoder_frame_rate(self) -> float:
+        return self.sample_rate / self.hop_length
+
+    @property
+    def downsample_stride(self) -> int:
+        return int(self.encoder_frame_rate / self.frame_rate)
+
+    @property
+    def frame_size(self) -> int:
+        """Samples per codec frame (1920 = 80 ms at 24 kHz for the released model)."""
+        return int(self.sample_rate / self.frame_rate)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dimension // self.num_heads
+
+    def to_reference_dict(self) -> dict[str, Any]:
+        """The reference's `mimi_config` form (`loaders._mimi_config`), for `loaders.get_mimi(None, it)`."""
+        d = self.dimension
+        seanet = {
+            "channels": self.channels, "dimension": d, "causal": True, "n_filters": self.n_filters,
+            "n_residual_layers": self.n_residual_layers, "activation": "ELU", "compress": self.compress,
+            "dilation_base": self.dilation_base, "disable_norm_outer_blocks": 0, "kernel_size": self.kernel_size,
+            "residual_kernel_size": self.residual_kernel_size, "last_kernel_size": self.last_kernel_size,
+            "norm": "none", "pad_mode": "constant", "ratios": list(self.ratios), "true_skip": True,
+        }
+        quantizer = {"dimension": self.codebook_dim, "n_q": self.n_q, "bins": self.card,
+                     "input_dimension": d, "output_dimension": d}
+        transformer = {
+            "d_model": d, "num_heads": self.num_heads, "num_layers": self.num_layers, "causal": True,
+            "layer_scale": self.layer_scale, "context": self.context, "conv_layout": True,
+            "max_period": self.max_period, "gating": "none", "norm": "layer_norm", "positional_embedding": "rope",
+            "dim_feedforward": self.dim_feedforward, "input_dimension": d, "output_dimensions": [d],
+        }
+        return {"sample_rate": self.sample_rate, "channels": self.channels, "frame_rate": self.frame_rate,
+                "seanet": seanet, "quantizer": quantizer, "transformer": transformer}
+
+
+MIMI = MimiConfig()
+
+# Tiny, same architecture and every code path (SEANet stages, resampling, both transformers, split RVQ with
+# 2048-entry codebooks); hop 960 at 24 kHz keeps the 1920-sample frame.
+DEMO_MIMI = MimiConfig(
+    dimension=32,
+    n_filters=4,
+    num_heads=2,
+    num_layers=2,
+    dim_feedforward=64,
+    codebook_dim=16,
+    n_q=16,
+)
+
+MIMI_PRESETS: dict[str, MimiConfig] = {"mimi": MIMI, "demo": DEMO_MIMI}

@@ -50,3 +50,29 @@ def fused_state_dict(lm: RefLMModel, cfg: LMConfig) -> dict[str, torch.Tensor]:
             out[p + "in_proj_weight"] = torch.cat([sd[p + f"in_projs.{k}.weight"] for k in range(steps)]).contiguous()
             out[p + "out_proj.weight"] = torch.cat([sd[p + f"out_projs.{k}.weight"] for k in range(steps)]).contiguous()
     return out
+
+
+def reference_mimi(seed: int = 0, mimi_config: dict | None = None):
+    """A random reference Mimi (real config unless given) with real codebooks and every constant perturbed.
+
+    A fresh reference Mimi has all-zero codebooks (every code 0) and exact-constant LayerNorm and LayerScale
+    parameters; both would hide bugs, so they get random values here, before the first encode (the reference
+    caches its centroids on first use).
+    """
+    torch.manual_seed(seed)
+    mimi = loaders.get_mimi(None, mimi_config=mimi_config, device="cpu")
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in mimi.named_parameters():
+            if ".norm" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            elif "layer_scale" in name:
+                p.mul_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
+        for name, m in mimi.named_modules():
+            if name.endswith("_codebook"):
+                usage = 0.5 + torch.rand(m.cluster_usage.shape, generator=gen)
+                m.cluster_usage.copy_(usage)
+                m.embedding_sum.copy_(0.01 * torch.randn(m.embedding_sum.shape, generator=gen) * usage[:, None])
+                m._initialized.fill_(1.0)
+                m.register_buffer("_embedding", None, persistent=False)
+    return mimi.eval()
