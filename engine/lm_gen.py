@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from duplexd.kernels.sampling import sample
+
 from .config import SamplingParams
 from .models.lm import LMModel
-from .sampling import sample
 
 UNGENERATED = -2
 

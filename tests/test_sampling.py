@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from duplexd.engine.sampling import hash32, sample
+from duplexd.kernels.sampling import hash32, sample
 
 
 def _rows(n, **values):

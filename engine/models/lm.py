@@ -5,6 +5,11 @@ DepFormer's per-step weights stacked along a leading step axis, all audio embedd
 is a handful of matmuls. Projection weights are stored as [in, out] (`x @ w`): for the single-row matmuls of a
 decode step this is 1.3-1.7x faster on CPU BLAS than torch's [out, in] `F.linear` (see docs/BENCHMARKS.md).
 `engine.checkpoint` maps the reference's key namings onto these parameters.
+
+The ops come from `duplexd.kernels` (Triton on CUDA, the torch references on CPU). Every residual add is fused
+with the norm that follows it (`add_rms_norm`), which on CPU is exactly the unfused arithmetic. On CUDA the
+temporal attention reads the ring cache through the paged decode-attention kernel (the ring is a one-page-per-slot
+pool), with no host synchronisation; on CPU it stays a masked SDPA over views of the ring.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duplexd.kernels.rms_norm import rms_norm
-from duplexd.kernels.rope import apply_rope, rope_angles
+from duplexd.kernels.decode_attention import decode_attention
+from duplexd.kernels.dispatch import use_triton
+from duplexd.kernels.rms_norm import add_rms_norm, rms_norm
+from duplexd.kernels.rope import rope_angles, rope_qk
+from duplexd.kernels.silu_gate import silu_gate
 
 from ..config import LMConfig
 from ..slot_kv_cache import SlotKVCache
@@ -56,8 +64,7 @@ class DepformerLayer(nn.Module):
 
 def gated_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
     """`(silu(gate) * value) @ w_out`; the outputs of `w_in` are [gate | value] as in the reference."""
-    gate, value = (x @ w_in).chunk(2, dim=-1)
-    return (F.silu(gate) * value) @ w_out
+    return silu_gate(x @ w_in) @ w_out
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -116,18 +123,27 @@ class LMModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One temporal step. Returns the post-`out_norm` hidden state [B, dim] and text logits [B, text_card]."""
         cfg = self.cfg
-        h, dh = cfg.num_heads, cfg.head_dim
+        heads, dh = cfg.num_heads, cfg.head_dim
         x = self.embed(tokens)
         cos, sin = rope_angles(positions, dh, cfg.max_period)
+        paged = use_triton(x)
+        if paged:
+            table, lengths = cache.block_table(slots, len(positions)), positions + 1
+        last = len(self.layers) - 1
+        h = rms_norm(x, self.layers[0].attn_norm, NORM_EPS)
         for i, layer in enumerate(self.layers):
-            qkv = (rms_norm(x, layer.attn_norm, NORM_EPS) @ layer.wqkv).view(-1, 3, h, dh)
-            q, k = apply_rope(qkv[:, 0], cos, sin), apply_rope(qkv[:, 1], cos, sin)
-            keys, values, valid = cache.attend_window(i, slots, positions, k, qkv[:, 2])
-            attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :])
-            x = x + attn.flatten(1) @ layer.wo
-            x = x + gated_mlp(rms_norm(x, layer.mlp_norm, NORM_EPS), layer.w_in, layer.w_out)
-        x = rms_norm(x, self.out_norm, NORM_EPS)
-        return x, x @ self.text_head
+            qkv = (h @ layer.wqkv).view(-1, 3, heads, dh)
+            q, k = rope_qk(qkv[:, 0], qkv[:, 1], cos, sin)
+            if paged:
+                cache.store(i, slots, positions, k, qkv[:, 2])
+                attn = decode_attention(q, *cache.pages(i), table, lengths, cache.context)
+            else:
+                keys, values, valid = cache.attend_window(i, slots, positions, k, qkv[:, 2])
+                attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :])
+            h, x = add_rms_norm(attn.flatten(1) @ layer.wo, x, layer.mlp_norm, NORM_EPS)
+            next_norm = self.layers[i + 1].attn_norm if i < last else self.out_norm
+            h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
+        return h, h @ self.text_head
 
     def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
         """Run the `dep_q` sub-steps; `sample(step, logits [B, card]) -> tokens [B]` picks each codebook.
@@ -136,19 +152,24 @@ class LMModel(nn.Module):
         embedding of the token chosen just before it (the text token for k = 0).
         """
         cfg = self.cfg
-        q, h, dh = cfg.dep_q, cfg.depformer_num_heads, cfg.depformer_head_dim
+        q, heads, dh = cfg.dep_q, cfg.depformer_num_heads, cfg.depformer_head_dim
         batch = hidden.shape[0]
-        kv = hidden.new_empty(len(self.dep_layers), 2, batch, h, q, dh)
+        kv = hidden.new_empty(len(self.dep_layers), 2, batch, heads, q, dh)
         prev = F.embedding(text_token, self.dep_text_emb)
         tokens, all_logits = [], []
+        last = len(self.dep_layers) - 1
         for step in range(q):
-            x = hidden @ self.dep_in[step] + prev
+            h, x = add_rms_norm(hidden @ self.dep_in[step], prev, self.dep_layers[0].attn_norm, NORM_EPS)
             for i, layer in enumerate(self.dep_layers):
-                qkv = (rms_norm(x, layer.attn_norm, NORM_EPS) @ layer.wqkv[step]).view(batch, 3, h, dh)
+                qkv = (h @ layer.wqkv[step]).view(batch, 3, heads, dh)
                 kv[i, :, :, :, step] = qkv[:, 1:].transpose(0, 1)
                 attn = attend(qkv[:, 0], kv[i, 0, :, :, : step + 1], kv[i, 1, :, :, : step + 1])
-                x = x + attn.flatten(1) @ layer.wo[step]
-                x = x + gated_mlp(rms_norm(x, layer.mlp_norm, NORM_EPS), layer.w_in[step], layer.w_out[step])
+                h, x = add_rms_norm(attn.flatten(1) @ layer.wo[step], x, layer.mlp_norm, NORM_EPS)
+                update = gated_mlp(h, layer.w_in[step], layer.w_out[step])
+                if i < last:
+                    h, x = add_rms_norm(update, x, self.dep_layers[i + 1].attn_norm, NORM_EPS)
+                else:
+                    x = x + update
             logits = x @ self.dep_heads[step]
             token = sample(step, logits)
             tokens.append(token)

@@ -1,0 +1,149 @@
+"""Triton decode-step kernels against torch eager on an NVIDIA GPU, at Moshi 7B shapes.
+
+Usage: python bench/gpu_kernels.py [--batches 1 8 32 128] [--lengths 1000 3000] [--reps 100]
+
+For each kernel and shape: correctness against the torch reference first (a failed check is reported and the
+timing skipped), then the median time of the Triton kernel and of torch eager, the bytes each call must move, the
+achieved bytes/s and its ratio to a measured device-to-device copy bandwidth. Prints a table and, as its last
+line, one JSON object. On a machine without CUDA it says so and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+DIM, HEADS, HEAD_DIM, HIDDEN, TEXT_CARD, CARD = 4096, 32, 128, 11264, 32000, 2048
+PAGE_SIZE = 16
+BF16 = torch.bfloat16
+
+
+def _bench_ms(fn: Callable[[], object], reps: int) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=max(reps // 4, 5), rep=reps, return_mode="median")
+
+
+def copy_bandwidth(reps: int) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(1 << 29, dtype=BF16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench_ms(lambda: dst.copy_(src), reps)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max())
+
+
+def cases(batches: list[int], lengths: list[int], dev: str = "cuda"):
+    """Yields (kernel, shape, bytes moved, triton fn, eager fn, check fn -> (ok, detail))."""
+    from duplexd.kernels import decode_attention as da
+    from duplexd.kernels import rms_norm as rn
+    from duplexd.kernels import rope, sampling, silu_gate
+
+    for b in batches:
+        x, r = torch.randn(b, DIM, device=dev, dtype=BF16), torch.randn(b, DIM, device=dev, dtype=BF16)
+        alpha = torch.rand(DIM, device=dev, dtype=BF16) + 0.5
+        yield ("rms_norm", f"B={b}", 2 * x.numel() * 2, lambda x=x, a=alpha: rn.rms_norm_triton(x, a),
+               lambda x=x, a=alpha: rn.rms_norm_reference(x, a),
+               lambda x=x, a=alpha: _tol(rn.rms_norm_triton(x, a), rn.rms_norm_reference(x.float(), a.float()), 2e-2))
+        yield ("add_rms_norm", f"B={b}", 4 * x.numel() * 2,
+               lambda x=x, r=r, a=alpha: rn.rms_norm_triton(x, a, residual=r),
+               lambda x=x, r=r, a=alpha: rn.add_rms_norm_reference(x, r, a),
+               lambda x=x, r=r, a=alpha: _tol(rn.rms_norm_triton(x, a, residual=r)[0],
+                                              rn.rms_norm_reference((r.float() + x.float()), a.float()), 5e-2))
+
+        qkv = torch.randn(b, 3, HEADS, HEAD_DIM, device=dev, dtype=BF16)
+        cos, sin = rope.rope_angles(torch.randint(0, 5000, (b,), device=dev), HEAD_DIM, 10_000.0)
+        yield ("rope_qk", f"B={b}", 4 * b * DIM * 2,
+               lambda t=qkv, c=cos, s=sin: rope.rope_qk_triton(t[:, 0], t[:, 1], c, s),
+               lambda t=qkv, c=cos, s=sin: rope.rope_qk_reference(t[:, 0], t[:, 1], c, s),
+               lambda t=qkv, c=cos, s=sin: _tol(rope.rope_qk_triton(t[:, 0], t[:, 1], c, s)[0],
+                                                rope.apply_rope(t[:, 0].float(), c, s), 3e-2))
+
+        gv = torch.randn(b, 2 * HIDDEN, device=dev, dtype=BF16)
+        yield ("silu_gate", f"B={b}", 3 * b * HIDDEN * 2, lambda g=gv: silu_gate.silu_gate_triton(g),
+               lambda g=gv: silu_gate.silu_gate_reference(g),
+               lambda g=gv: _tol(silu_gate.silu_gate_triton(g), silu_gate.silu_gate_reference(g.float()), 3e-2))
+
+        for vocab, temp, k in ((TEXT_CARD, 0.7, 25), (CARD, 0.8, 250)):
+            logits = torch.randn(b, vocab, device=dev) * 3
+            args = (logits, torch.full((b,), temp, device=dev), torch.full((b,), k, device=dev),
+                    torch.arange(b, device=dev), torch.full((b,), 17, device=dev), 1)
+            yield (f"sample V={vocab}", f"B={b}", logits.numel() * 4, lambda a=args: sampling.sample_triton(*a),
+                   lambda a=args: sampling.sample_reference(*a),
+                   lambda a=args: _same(sampling.sample_triton(*a), sampling.sample_reference(*a)))
+
+        for length in lengths:
+            q = torch.randn(b, HEADS, HEAD_DIM, device=dev, dtype=BF16)
+            pages_per_row = -(-length // PAGE_SIZE)
+            num_pages = b * pages_per_row
+            kp = torch.randn(num_pages, PAGE_SIZE, HEADS, HEAD_DIM, device=dev, dtype=BF16)
+            vp = torch.randn_like(kp)
+            table = torch.randperm(num_pages, device=dev).view(b, pages_per_row).to(torch.int32)
+            lens = torch.full((b,), length, device=dev)
+            moved = 2 * b * length * DIM * 2 + 2 * b * DIM * 2
+            call = (q, kp, vp, table, lens, 3000)
+            yield ("decode_attention", f"B={b} L={length}", moved, lambda c=call: da.decode_attention_triton(*c),
+                   lambda c=call: da.decode_attention_reference(*c),
+                   lambda c=call: _tol(da.decode_attention_triton(*c), da.decode_attention_reference(
+                       c[0].float(), c[1].float(), c[2].float(), *c[3:]), 2e-2))
+            del kp, vp
+
+
+def _tol(got: torch.Tensor, want: torch.Tensor, tol: float) -> tuple[bool, str]:
+    err = _max_err(got, want) / max(float(want.float().abs().max()), 1.0)
+    return err <= tol and bool(torch.isfinite(got).all()), f"rel err {err:.1e}"
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
+    agree = float((got == want).float().mean())
+    return agree >= 0.99, f"{100 * agree:.1f}% same tokens"  # near-ties in the fp32 scores may flip a few
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 3000])
+    parser.add_argument("--reps", type=int, default=100, help="timing window per measurement, ms (do_bench rep)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu_kernels.py needs an NVIDIA GPU (CUDA); none is available here, nothing was measured.")
+        print(json.dumps({"bench": "gpu_kernels", "skipped": "no CUDA device"}))
+        return 0
+
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth(args.reps)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    print(f"{'kernel':<18} {'shape':<14} {'check':<22} {'triton us':>10} {'eager us':>10} {'speedup':>8} "
+          f"{'GB/s':>7} {'of copy':>8}")
+    rows = []
+    for name, shape, moved, triton_fn, eager_fn, check in cases(args.batches, args.lengths):
+        ok, detail = check()
+        row = {"kernel": name, "shape": shape, "ok": ok, "check": detail, "bytes": moved}
+        if ok:
+            t_ms, e_ms = _bench_ms(triton_fn, args.reps), _bench_ms(eager_fn, args.reps)
+            bw = moved / (t_ms * 1e-3)
+            row.update(triton_us=round(1e3 * t_ms, 2), eager_us=round(1e3 * e_ms, 2),
+                       speedup=round(e_ms / t_ms, 2), gbps=round(bw / 1e9, 1), of_copy=round(bw / copy_bw, 3))
+            print(f"{name:<18} {shape:<14} {detail:<22} {1e3 * t_ms:>10.1f} {1e3 * e_ms:>10.1f} "
+                  f"{e_ms / t_ms:>8.2f} {bw / 1e9:>7.0f} {bw / copy_bw:>8.2f}")
+        else:
+            print(f"{name:<18} {shape:<14} FAILED {detail}")
+        rows.append(row)
+        torch.cuda.empty_cache()
+    print(json.dumps({"bench": "gpu_kernels", "device": torch.cuda.get_device_name(),
+                      "copy_gbps": round(copy_bw / 1e9, 1), "rows": rows}))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Single-query decode attention over a paged KV cache, split across programs and combined (flash-decoding).
+
+Layout: one page pool per layer for keys and one for values, `[num_pages, page_size, H, D]` (any strides with a
+contiguous last dim, so a ring cache's `[slots, H, context, D]` viewed as pages also fits). Row b's logical
+position p lives in page `block_table[b, (p // page_size) % max_pages]` at slot `p % page_size`: the row's pages
+form a ring of `max_pages * page_size` positions, so a cache may recycle the pages that leave the window (a table
+with a column for every page of the history simply never wraps). Row b holds `lengths[b]` positions (this step's
+key included) and attends to the last `window` of them, as the reference's ring KV cache does.
+
+The key range of a row is cut into splits of `split_len` keys, one program per (row, head, split); each writes
+its normalised partial output and log-sum-exp, and a second kernel combines the splits. A row with 3000 cached
+frames is therefore served by many programs, and the number of splits depends only on static sizes (window,
+pool geometry, batch), never on the lengths, so the launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import tl, triton
+from .dispatch import use_triton
+
+BLOCK_N = 64  # keys per inner iteration
+
+
+def _window(window: int, page_size: int, max_pages: int) -> int:
+    return max(min(window, page_size * max_pages), 0)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, H, D] over each row's last `min(lengths[b], window)` keys; rows without keys give 0.
+
+    Math in `q`'s dtype promoted to at least fp32 (pass fp64 tensors for an fp64 reference).
+    """
+    batch, _, head_dim = q.shape
+    page_size, max_pages = k_pages.shape[1], block_table.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    span = min(_window(window, page_size, max_pages), int(lengths.max()) if batch else 0)
+    pos = lengths.long()[:, None] - 1 - torch.arange(max(span, 1), device=q.device)  # newest first
+    valid = pos >= 0
+    if span == 0:
+        valid &= False
+    pos = pos.clamp(min=0)
+    pages = block_table.long().gather(1, (pos // page_size) % max_pages)
+    keys, values = k_pages[pages, pos % page_size], v_pages[pages, pos % page_size]  # [B, span, H, D]
+    ct = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("bhd,bshd->bhs", q.to(ct), keys.to(ct)) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhs,bshd->bhd", probs, values.to(ct)).to(q.dtype)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, po_ptr, plse_ptr,
+    sq_b, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, sbt_b,
+    window, page_size, max_pages, split_len, qk_scale, head_dim,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row, head, split): online softmax over the split's keys, in the log2 domain."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    n_heads = tl.num_programs(1)
+    n_splits = tl.num_programs(2)
+    length = tl.load(len_ptr + b)
+    start = tl.maximum(length - window, 0) + split * split_len
+    end = tl.minimum(start + split_len, length)
+
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < head_dim
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + dims, mask=dmask, other=0.0).to(tl.float32) * qk_scale
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        kmask = pos < end
+        page = tl.load(bt_ptr + b * sbt_b + (pos // page_size) % max_pages, mask=kmask, other=0).to(tl.int64)
+        slot = (pos % page_size).to(tl.int64)
+        tile_mask = kmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + page[:, None] * sk_p + slot[:, None] * sk_s + h * sk_h + dims[None, :],
+                    mask=tile_mask, other=0.0).to(tl.float32)
+        s = tl.where(kmask, tl.sum(k * q[None, :], axis=1), -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        v = tl.load(v_ptr + page[:, None] * sv_p + slot[:, None] * sv_s + h * sv_h + dims[None, :],
+                    mask=tile_mask, other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+
+    out = (b * n_heads + h) * n_splits + split
+    nonempty = l_i > 0
+    tl.store(po_ptr + out * head_dim + dims, acc / tl.where(nonempty, l_i, 1.0), mask=dmask)
+    tl.store(plse_ptr + out, tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), -float("inf")))
+
+
+@triton.jit
+def _combine_kernel(
+    po_ptr, plse_ptr, o_ptr, so_b, so_h, n_splits, head_dim,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row, head): weight each split's output by its share of the softmax mass."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (b * tl.num_programs(1) + h) * n_splits
+    splits = tl.arange(0, BLOCK_S)
+    smask = splits < n_splits
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < head_dim
+    lse = tl.load(plse_ptr + base + splits, mask=smask, other=-float("inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top > -float("inf"), top, 0.0))  # empty splits (lse = -inf) weigh 0
+    total = tl.sum(w, axis=0)
+    parts = tl.load(po_ptr + (base + splits[:, None]) * head_dim + dims[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + b * so_b + h * so_h + dims, out.to(o_ptr.dtype.element_ty), mask=dmask)
+
+
+def _default_split_len(batch: int, heads: int, span: int, device: torch.device) -> int:
+    """Enough splits for about 4 programs per SM, never fewer than BLOCK_N keys per split."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 1
+    splits = max(1, min(triton.cdiv(target, max(batch * heads, 1)), triton.cdiv(span, BLOCK_N)))
+    return triton.cdiv(triton.cdiv(span, splits), BLOCK_N) * BLOCK_N
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+    split_len: int | None = None,
+) -> torch.Tensor:
+    """Triton `decode_attention`; `split_len` keys per program (default: sized to fill the GPU)."""
+    batch, heads, head_dim = q.shape
+    _, page_size, k_heads, k_dim = k_pages.shape
+    if (k_heads, k_dim) != (heads, head_dim) or v_pages.shape != k_pages.shape:
+        raise ValueError(f"q {list(q.shape)}, k_pages {list(k_pages.shape)}, v_pages {list(v_pages.shape)}")
+    if block_table.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"block_table {list(block_table.shape)} and lengths {list(lengths.shape)} for {batch} rows")
+    if q.stride(-1) != 1 or k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("q, k_pages and v_pages need a contiguous last dim")
+    max_pages = block_table.shape[1]
+    window = _window(window, page_size, max_pages)
+    span = max(window, 1)
+    split_len = split_len or _default_split_len(batch, heads, span, q.device)
+    n_splits = triton.cdiv(span, split_len)
+    block_table = block_table.to(torch.int32)
+    lengths = lengths.to(torch.int32)
+    partial = torch.empty((batch, heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, heads, n_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5 if scale is None else scale
+    block_d = triton.next_power_of_2(head_dim)
+    _split_kernel[(batch, heads, n_splits)](
+        q, k_pages, v_pages, block_table, lengths, partial, lse,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), block_table.stride(0),
+        window, page_size, max_pages, split_len, scale * math.log2(math.e), head_dim,
+        BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+    )
+    _combine_kernel[(batch, heads)](
+        partial, lse, out, out.stride(0), out.stride(1), n_splits, head_dim,
+        BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d,
+    )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Paged single-query attention, [B, H, D] out; Triton on CUDA, the torch reference elsewhere."""
+    if use_triton(q):
+        return decode_attention_triton(q, k_pages, v_pages, block_table, lengths, window, scale)
+    return decode_attention_reference(q, k_pages, v_pages, block_table, lengths, window, scale)

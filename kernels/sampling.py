@@ -1,0 +1,195 @@
+"""Batched temperature + top-k sampling with per-row parameters and counter-based randomness.
+
+Each candidate token's noise is a hash of (seed, frame, stream, token id), so a session's tokens depend only on
+its own seed and position, never on who shares its batch, and no generator state has to be kept or synchronised.
+Keying the noise by token id (not by rank among the top k) lets the Triton kernel find the top k by a threshold
+without sorting and still draw the very same token as the torch reference.
+
+Sampling is a Gumbel-max race over the top-k logits scaled by 1/temperature, which draws from the same
+distribution as the reference's softmax → top-k → exponential race. Temperature 0 is greedy argmax (first index
+of the maximum). Top-k ties: the kernel breaks a tie at the k-th largest logit towards lower token ids, while
+`torch.topk` leaves the order of ties unspecified, so the two may differ in rows whose k-th and (k+1)-th logits
+are exactly equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import tl, triton
+from .dispatch import use_triton
+
+_M32 = 0xFFFFFFFF
+_SEED_SALT = 0x9E3779B9
+_TOKEN_SALT = 0x632BE5AB
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32), without overflowing int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """The `lowbias32` integer hash on int64 tensors holding 32-bit values."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, frames: torch.Tensor, stream: int, tokens: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) draws [B, n] for the token ids `tokens` [B, n], keyed by each row's seed and frame.
+
+    24 random bits as the odd integer 2m + 1 over 2^24: exact in fp32, so torch and Triton agree bit for bit.
+    """
+    key = hash32(hash32(hash32(seeds ^ _SEED_SALT) ^ frames) ^ stream)
+    bits = hash32(key[:, None] ^ hash32(tokens + _TOKEN_SALT))
+    return ((bits >> 9) * 2 + 1).float() * 2.0**-24
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    frames: torch.Tensor,
+    stream: int,
+) -> torch.Tensor:
+    """Draw one token per row of `logits` [B, V]; per-row `temperature`, `top_k`, `seeds`, `frames` [B]."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    k_max = max(1, min(int(top_k.max()), logits.shape[-1]))
+    values, indices = logits.topk(k_max, dim=-1)
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, frames, stream, indices)))
+    scores = values / temperature.clamp(min=1e-6)[:, None] + gumbel
+    ranks = torch.arange(k_max, device=logits.device)
+    scores = scores.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    sampled = indices.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+@triton.jit
+def _hash32(x):
+    """lowbias32 on uint32 (multiplications wrap mod 2^32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V: tl.constexpr):
+    """Logits [BLOCK_B, BLOCK_V] in fp32 (-inf outside), their order-preserving uint32 keys (0 outside), mask."""
+    cols = v0 + tl.arange(0, BLOCK_V)
+    mask = rmask[:, None] & (cols[None, :] < vocab)
+    x = tl.load(logits_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=-float("inf"))
+    x = x.to(tl.float32)
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    return x, tl.where(mask, key, 0), mask, cols
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, temp_ptr, topk_ptr, seed_ptr, frame_ptr, out_ptr,
+    n_rows, vocab, stride, stream,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """BLOCK_B rows per program. Greedy argmax; the k-th largest key by a radix select; ties at that threshold
+    taken in token order; then a Gumbel-max race over the candidates."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < n_rows
+    rows = rows.to(tl.int64)
+    temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    k = tl.load(topk_ptr + rows, mask=rmask, other=1).to(tl.int32)
+    k = tl.minimum(tl.maximum(k, 1), vocab)
+    seed = tl.load(seed_ptr + rows, mask=rmask, other=0).to(tl.uint32)
+    frame = tl.load(frame_ptr + rows, mask=rmask, other=0).to(tl.uint32)
+    row_key = _hash32(_hash32(_hash32(seed ^ 0x9E3779B9) ^ frame) ^ stream.to(tl.uint32))
+
+    best = tl.full([BLOCK_B], -float("inf"), tl.float32)
+    greedy = tl.zeros([BLOCK_B], tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V)
+        top = tl.max(x, axis=1)
+        arg = tl.argmax(x, axis=1).to(tl.int32) + v0
+        greedy = tl.where(top > best, arg, greedy)
+        best = tl.maximum(top, best)
+
+    # The k-th largest key, 4 bits at a time from the top: keep the largest digit d such that at least k keys
+    # are >= (prefix | d); the count for d = 0 is >= k by induction, so some digit always qualifies.
+    thr = tl.zeros([BLOCK_B], tl.uint32)
+    digits = tl.arange(0, 16).to(tl.uint32)
+    for i in tl.static_range(8):
+        trials = thr[:, None] | (digits[None, :] << (28 - 4 * i))
+        counts = tl.zeros([BLOCK_B, 16], tl.int32)
+        for v0 in range(0, vocab, BLOCK_V):
+            x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V)
+            counts += tl.sum((key[:, None, :] >= trials[:, :, None]).to(tl.int32), axis=2)
+        digit = tl.sum((counts >= k[:, None]).to(tl.int32), axis=1) - 1
+        thr = thr | (digit.to(tl.uint32) << (28 - 4 * i))
+    above = tl.zeros([BLOCK_B], tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V)
+        above += tl.sum((key > thr[:, None]).to(tl.int32), axis=1)
+    ties_wanted = k - above
+
+    inv_temp = 1.0 / tl.maximum(temp, 1e-6)
+    best_score = tl.full([BLOCK_B], -float("inf"), tl.float32)
+    sampled = tl.zeros([BLOCK_B], tl.int32)
+    ties_seen = tl.zeros([BLOCK_B], tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V)
+        tie = mask & (key == thr[:, None])
+        tie_rank = tl.cumsum(tie.to(tl.int32), axis=1) + ties_seen[:, None]
+        ties_seen += tl.sum(tie.to(tl.int32), axis=1)
+        candidate = (key > thr[:, None]) | (tie & (tie_rank <= ties_wanted[:, None]))
+        bits = _hash32(row_key[:, None] ^ _hash32(cols.to(tl.uint32) + 0x632BE5AB)[None, :])
+        u = ((bits >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+        score = tl.where(candidate, x * inv_temp[:, None] - tl.log(-tl.log(u)), -float("inf"))
+        top = tl.max(score, axis=1)
+        arg = tl.argmax(score, axis=1).to(tl.int32) + v0
+        sampled = tl.where(top > best_score, arg, sampled)
+        best_score = tl.maximum(top, best_score)
+    token = tl.where(temp > 0, sampled, greedy)
+    tl.store(out_ptr + rows, token.to(tl.int64), mask=rmask)
+
+
+def sample_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    frames: torch.Tensor,
+    stream: int,
+    rows_per_program: int = 1,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Triton `sample`; `rows_per_program` and `block_v` (vocabulary tile) are powers of two."""
+    batch, vocab = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(batch, dtype=torch.long, device=logits.device)
+    block_v = block_v or min(triton.next_power_of_2(vocab), 1024)
+    _sample_kernel[(triton.cdiv(batch, rows_per_program),)](
+        logits, temperature.contiguous(), top_k.contiguous(), seeds.contiguous(), frames.contiguous(), out,
+        batch, vocab, logits.stride(0), stream,
+        BLOCK_B=rows_per_program, BLOCK_V=block_v,
+    )
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    frames: torch.Tensor,
+    stream: int,
+) -> torch.Tensor:
+    """One token per row of `logits` [B, V] (int64 [B]); Triton on CUDA, the torch reference elsewhere."""
+    if use_triton(logits):
+        return sample_triton(logits, temperature, top_k, seeds, frames, stream)
+    return sample_reference(logits, temperature, top_k, seeds, frames, stream)

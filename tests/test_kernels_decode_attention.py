@@ -1,0 +1,83 @@
+"""Paged single-query decode attention: Triton (interpreter) against the fp64 torch reference and a naive loop.
+
+One shared pool serves all rows, pages are handed out in random order, rows have ragged lengths (one of a single
+key, one longer than the window), the block table may wrap (a ring of pages), and every split-K program's
+partial output is poisoned before the call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duplexd.kernels.decode_attention import decode_attention, decode_attention_reference, decode_attention_triton
+from duplexd.kernels.dispatch import force_triton
+from duplexd.kernels.testing import poisoned_allocations
+
+
+def _case(seed, batch=3, heads=3, head_dim=24, page_size=5, max_pages=5, num_pages=17, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    k_pages = torch.randn(num_pages, page_size, heads, head_dim, generator=g).to(dtype)
+    v_pages = torch.randn(num_pages, page_size, heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(num_pages, generator=g)[: batch * max_pages].view(batch, max_pages).to(torch.int32)
+    return q, k_pages, v_pages, table
+
+
+def _naive(q, k_pages, v_pages, table, lengths, window):
+    """Row by row, key by key, in fp64: the definition the kernel and the reference implement."""
+    page_size, max_pages = k_pages.shape[1], table.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, length in enumerate(lengths.tolist()):
+        positions = range(max(0, length - window), length)
+        if not positions:
+            continue
+        keys = torch.stack([k_pages[table[b, (p // page_size) % max_pages], p % page_size] for p in positions])
+        values = torch.stack([v_pages[table[b, (p // page_size) % max_pages], p % page_size] for p in positions])
+        scores = torch.einsum("hd,shd->hs", q[b].double(), keys.double()) * q.shape[-1] ** -0.5
+        out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), values.double())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, split_len", [(11, 4), (25, 64), (1000, 7)])
+def test_matches_reference_on_a_shared_out_of_order_pool(window, split_len, dtype):
+    q, k_pages, v_pages, table = _case(seed=window, dtype=dtype)
+    lengths = torch.tensor([17, 1, 23])  # ragged; 17 and 23 exceed the window of 11
+    with poisoned_allocations():
+        out = decode_attention_triton(q, k_pages, v_pages, table, lengths, window, split_len=split_len)
+    want = decode_attention_reference(q.double(), k_pages.double(), v_pages.double(), table, lengths, window)
+    torch.testing.assert_close(want, _naive(q, k_pages, v_pages, table, lengths, window), rtol=1e-12, atol=1e-12)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - want).abs().max() <= tol
+
+
+def test_ring_of_pages_and_an_empty_row():
+    """A 3-page table is a ring of 15 positions: a window of 12 over 40 cached frames wraps around it."""
+    q, k_pages, v_pages, table = _case(seed=5, batch=4, heads=2, head_dim=7, max_pages=3, num_pages=12)
+    lengths = torch.tensor([40, 0, 13, 2])
+    with poisoned_allocations():
+        out = decode_attention_triton(q, k_pages, v_pages, table, lengths, 12, split_len=5)
+    want = _naive(q, k_pages, v_pages, table, lengths, 12)
+    assert torch.isfinite(out).all() and (out[1] == 0).all()
+    assert (out.double() - want).abs().max() <= 1e-5
+    ref = decode_attention_reference(q.double(), k_pages.double(), v_pages.double(), table, lengths, 12)
+    torch.testing.assert_close(ref, want)
+
+
+def test_default_split_and_strided_pool_views():
+    """Pools given as strided views (a ring cache [slots, H, context, D] seen as [slots, context, H, D])."""
+    q, _, _, _ = _case(seed=6, batch=2, heads=3, head_dim=16)
+    g = torch.Generator().manual_seed(7)
+    ring_k, ring_v = torch.randn(4, 3, 30, 16, generator=g), torch.randn(4, 3, 30, 16, generator=g)
+    k_pages, v_pages = ring_k.transpose(1, 2), ring_v.transpose(1, 2)
+    table = torch.tensor([[3], [1]], dtype=torch.int32)
+    lengths = torch.tensor([75, 9])  # row 0 has wrapped around its ring of 30
+    with poisoned_allocations():
+        out = decode_attention_triton(q, k_pages, v_pages, table, lengths, 30)
+    want = _naive(q, k_pages, v_pages, table, lengths, 30)
+    assert (out.double() - want).abs().max() <= 1e-5
+    with force_triton():
+        torch.testing.assert_close(decode_attention(q, k_pages, v_pages, table, lengths, 30), out)
+    torch.testing.assert_close(decode_attention(q, k_pages, v_pages, table, lengths, 30), want.float())
