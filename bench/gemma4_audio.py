@@ -2,8 +2,9 @@
 
 Reports seconds of audio encoded per second of wall time (higher is better):
 
-* whole utterance: raw 16 kHz audio -> tower output, front end included on both sides (HF:
-  `Gemma4AudioFeatureExtractor` + `Gemma4AudioModel`; duplexd: `Gemma4AudioEncoder.encode`);
+* whole utterance, one file at a time, and one right-padded batch of files of different lengths: raw 16 kHz
+  audio -> tower output, front end included on both sides (HF: `Gemma4AudioFeatureExtractor` +
+  `Gemma4AudioModel`; duplexd: `Gemma4AudioEncoder.encode`);
 * streaming, 1 and N slots, 80 ms per step: duplexd's `encode_step` (exact, per-slot state). `transformers` has no
   streaming encoder; its baseline is the cheapest thing it can do per step, one stateless forward over the step's
   8 mel frames for all slots (features precomputed, not timed). That baseline is *not* exact (no left context),
@@ -11,7 +12,8 @@ Reports seconds of audio encoded per second of wall time (higher is better):
 
 The last line printed is one JSON object with the figures and ratios.
 
-    python bench/gemma4_audio.py [--seconds 3 10 30] [--iters 3] [--stream-steps 25] [--slots 1 8]
+    python bench/gemma4_audio.py [--seconds 3 10 30] [--batch 2 5 10 20] [--iters 3] [--stream-steps 25]
+                                 [--slots 1 8] [--threads N]
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def audio(seconds: float, seed: int = 0) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, nargs="+", default=[3.0, 10.0, 30.0], help="utterance lengths")
+    ap.add_argument("--batch", type=float, nargs="*", default=[2.0, 5.0, 10.0, 20.0],
+                    help="lengths of one padded batch of files (nothing = skip the batch case)")
     ap.add_argument("--iters", type=int, default=3, help="timed calls per case (after one warm-up)")
     ap.add_argument("--stream-steps", type=int, default=25, help="80 ms steps per streaming run")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 8], help="streaming batch sizes")
@@ -112,6 +116,25 @@ def main() -> None:
                                             "duplexd_audio_s_per_s": round(sec / t_ours, 3),
                                             "ratio": round(t_hf / t_ours, 3), "max_rel_err": float(f"{err:.2e}")}
 
+        if args.batch:
+            ws = [audio(sec, seed=i) for i, sec in enumerate(args.batch)]
+
+            def run_hf_batch(ws=ws):
+                inp = fe(ws, return_tensors="pt")
+                return hf(inp["input_features"], inp["input_features_mask"]).last_hidden_state
+
+            wts = [torch.from_numpy(w) for w in ws]
+
+            def run_ours_batch(wts=wts):
+                return ours.encode(wts).hidden
+
+            t_hf, t_ours = timed_pair(run_hf_batch, run_ours_batch, max(1, args.iters - 1))
+            sec = sum(args.batch)
+            name = "batch " + "+".join(f"{x:g}" for x in args.batch) + " s"
+            rows.append((name, sec / t_hf, sec / t_ours))
+            result["batch"] = {"seconds": args.batch, "hf_audio_s_per_s": round(sec / t_hf, 3),
+                               "duplexd_audio_s_per_s": round(sec / t_ours, 3), "ratio": round(t_hf / t_ours, 3)}
+
         steps = args.stream_steps
         for slots in args.slots:
             ws = [audio(steps * CHUNK / 16000, seed=s) for s in range(slots)]
@@ -141,10 +164,12 @@ def main() -> None:
                 "ratio": round(t_hf / t_ours, 3), "ms_per_step": round(1000 * t_ours / steps, 1)}
 
     print()
-    print(f"{'case':<18}{'transformers':>14}{'duplexd':>12}{'ratio':>9}   (audio seconds per second)")
+    print(f"{'case':<24}{'transformers':>14}{'duplexd':>12}{'ratio':>9}   (audio seconds per second)")
     for name, h, o in rows:
-        print(f"{name:<18}{h:>14.2f}{o:>12.2f}{o / h:>8.2f}x")
+        print(f"{name:<24}{h:>14.2f}{o:>12.2f}{o / h:>8.2f}x")
     result["whole_ratios"] = {k: v["ratio"] for k, v in result["whole"].items()}
+    if "batch" in result:
+        result["batch_ratio"] = result["batch"]["ratio"]
     result["stream_ratios"] = {k: v["ratio"] for k, v in result["stream"].items()}
     print(json.dumps(result))
 

@@ -16,6 +16,14 @@ computed once per distance and shifted into place, and the band/padding mask is 
 tensor. Streaming is the same routine with `Q` = new tokens and the keys of the previous `window - 1` tokens
 taken from per-slot state.
 
+End of file: for a stream of n x 640 samples, `encode_step` equals the whole-file `encode` on every token but the
+last. The reference frames 321 samples per 320-sample window, so it marks the file's last mel frame invalid and
+zeroes it; that frame is the final input of the last token. A stream has no such padding (its frames continue
+into the next chunk), so only that one token differs, and attention being causal, nothing before it.
+
+Padded batches: right-padded rows are packed away for every token-wise layer (`Packing`), so a batch of uneven
+files costs about the sum of their lengths, not batch x longest.
+
 On CPU in fp32 the big matmuls go through oneDNN with weights packed once (`prepare()`), which is markedly
 faster than unpacked BLAS for the small row counts of streaming and still plain fp32 arithmetic.
 """
