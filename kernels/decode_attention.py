@@ -47,9 +47,7 @@ def decode_attention_reference(
     scale = head_dim**-0.5 if scale is None else scale
     span = min(_window(window, page_size, max_pages), int(lengths.max()) if batch else 0)
     pos = lengths.long()[:, None] - 1 - torch.arange(max(span, 1), device=q.device)  # newest first
-    valid = pos >= 0
-    if span == 0:
-        valid &= False
+    valid = (pos >= 0) & (span > 0)
     pos = pos.clamp(min=0)
     pages = block_table.long().gather(1, (pos // page_size) % max_pages)
     keys, values = k_pages[pages, pos % page_size], v_pages[pages, pos % page_size]  # [B, span, H, D]
