@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from duplexd import infer
 from duplexd.engine.checkpoint import load_lm
 from duplexd.engine.config import ConfigError, SamplingParams
 from duplexd.engine.demo import ensure_demo
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--audio-temperature", type=float, default=0.8)
     gen.add_argument("--audio-topk", type=int, default=250)
     gen.set_defaults(func=_generate)
+
+    infer.add_parser(sub)
     return parser
 
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (CheckpointError, ConfigError) as e:
+    except (CheckpointError, ConfigError, infer.InputError) as e:
         print(f"duplexd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""The embedded demo model: a tiny random-weight Moshi LM and tokenizer, written in the reference's format.
+"""The embedded demo model: a tiny random-weight Moshi LM, Mimi and tokenizer, in the reference's format.
 
 It runs everything end to end on a laptop CPU without a download. It has learnt nothing: it speaks noise and
 writes word pieces at random, and says so in the log. Files are written once into the user's cache directory
@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CONFIG_NAME, MOSHI_NAME, build_lm, save_lm_weights
-from .config import DEMO, LMConfig
+from .checkpoint import CONFIG_NAME, MIMI_NAME, MOSHI_NAME, build_lm, save_lm_weights, save_mimi_weights
+from .config import DEMO, DEMO_MIMI, LMConfig
 from .models.lm import LMModel
+from .models.mimi import MimiModel
 from .tokenizer import TextTokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 DEMO_SEED = 20240917
 TOKENIZER_NAME = "tokenizer.model"
 TOKENIZER_VOCAB = 1000
@@ -35,6 +36,7 @@ TOKENIZER_VOCAB = 1000
 class DemoFiles:
     root: Path
     lm: Path
+    mimi: Path
     config: Path
     tokenizer: Path
 
@@ -76,8 +78,8 @@ def random_lm(cfg: LMConfig, seed: int) -> LMModel:
 def ensure_demo(root: Path | None = None) -> DemoFiles:
     """Write the demo files if they are not there yet; return their paths."""
     root = (root or cache_root()) / f"demo-v{DEMO_VERSION}"
-    files = DemoFiles(root, root / MOSHI_NAME, root / CONFIG_NAME, root / TOKENIZER_NAME)
-    if files.lm.is_file() and files.config.is_file() and files.tokenizer.is_file():
+    files = DemoFiles(root, root / MOSHI_NAME, root / MIMI_NAME, root / CONFIG_NAME, root / TOKENIZER_NAME)
+    if all(p.is_file() for p in (files.lm, files.mimi, files.config, files.tokenizer)):
         return files
     root.mkdir(parents=True, exist_ok=True)
     logger.info("writing the demo model (random weights, it speaks noise) to %s", root)
@@ -86,6 +88,9 @@ def ensure_demo(root: Path | None = None) -> DemoFiles:
     cfg = dataclasses.replace(DEMO, text_card=TextTokenizer(files.tokenizer).vocab_size)
     model = random_lm(cfg, DEMO_SEED)
     _atomic_write(files.lm, lambda p: save_lm_weights(model, p, naming="fused"))
-    config = {**cfg.to_reference_json(), "moshi_name": MOSHI_NAME, "tokenizer_name": TOKENIZER_NAME}
+    mimi = MimiModel(DEMO_MIMI).init_weights_(DEMO_SEED)
+    _atomic_write(files.mimi, lambda p: save_mimi_weights(mimi, p, naming="fused"))
+    config = {**cfg.to_reference_json(), "moshi_name": MOSHI_NAME, "mimi_name": MIMI_NAME,
+              "tokenizer_name": TOKENIZER_NAME}
     _atomic_write(files.config, lambda p: p.write_text(json.dumps(config, indent=2)))
     return files

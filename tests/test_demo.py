@@ -9,8 +9,8 @@ from moshi.models.lm import LMModel as RefLMModel
 from safetensors.torch import load_file
 
 from duplexd.cli import main
-from duplexd.engine.checkpoint import load_lm
-from duplexd.engine.config import DEMO, lm_config_from_dict
+from duplexd.engine.checkpoint import load_lm, load_mimi
+from duplexd.engine.config import DEMO, DEMO_MIMI, lm_config_from_dict
 from duplexd.engine.demo import ensure_demo
 from duplexd.engine.tokenizer import TextTokenizer
 
@@ -28,6 +28,8 @@ def test_demo_files_are_reference_format(tmp_path):
     ref.load_state_dict(load_file(str(files.lm)), strict=True)
     ours = load_lm(files.root)
     assert torch.equal(ours.text_head.t(), ref.text_linear.weight)
+    mimi = load_mimi(files.mimi, DEMO_MIMI)
+    assert mimi.cfg.frame_size == 1920 and mimi.cfg.card == cfg.card
 
 
 def test_demo_is_written_once_and_deterministic(tmp_path):

@@ -1,0 +1,137 @@
+"""`duplexd infer IN OUT.wav`: a whole file through the streaming pipeline, frame by frame, as the server does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+import torch
+
+from duplexd.engine.checkpoint import MIMI_NAME, MOSHI_NAME, load_lm, load_mimi
+from duplexd.engine.config import MIMI_PRESETS, ConfigError, SamplingParams
+from duplexd.engine.demo import ensure_demo
+from duplexd.engine.hub import resolve_file
+from duplexd.engine.pipeline import Pipeline
+from duplexd.engine.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_NAME = "tokenizer_spm_32k_3.model"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InputError(ValueError):
+    """The input audio cannot be used; the message says why."""
+
+
+@dataclass
+class ModelFiles:
+    moshi: str
+    mimi: str
+    tokenizer: str
+    config: str | None
+    mimi_preset: str
+
+
+def read_audio(path: str | Path, sample_rate: int, min_samples: int) -> np.ndarray:
+    """Any file soundfile reads, down-mixed to mono and resampled to `sample_rate` (float32)."""
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, OSError) as e:
+        raise InputError(f"cannot read audio from {path}: {e}") from None
+    if data.size == 0:
+        raise InputError(f"{path} contains no audio")
+    mono = data.mean(axis=1)
+    if rate != sample_rate:
+        mono = soxr.resample(mono, rate, sample_rate).astype(np.float32)
+    if len(mono) < min_samples:
+        raise InputError(f"{path} is too short: {len(mono) / sample_rate * 1000:.0f} ms, "
+                         f"at least {min_samples / sample_rate * 1000:.0f} ms (one frame) is needed")
+    return mono
+
+
+def model_files(args: argparse.Namespace) -> ModelFiles:
+    """Where the weights come from: explicit files, a Hugging Face repo, or (neither) the demo model."""
+    explicit = args.moshi_weight or args.mimi_weight or args.tokenizer
+    if args.hf_repo:
+        repo = f"hf://{args.hf_repo}"
+        return ModelFiles(args.moshi_weight or f"{repo}/{MOSHI_NAME}", args.mimi_weight or f"{repo}/{MIMI_NAME}",
+                          args.tokenizer or f"{repo}/{TOKENIZER_NAME}", args.config, args.mimi_preset)
+    if explicit:
+        given = {"--moshi-weight": args.moshi_weight, "--mimi-weight": args.mimi_weight,
+                 "--tokenizer": args.tokenizer}
+        missing = [flag for flag, value in given.items() if not value]
+        if missing:
+            raise ConfigError(f"without --hf-repo, also pass {', '.join(missing)}")
+        return ModelFiles(args.moshi_weight, args.mimi_weight, args.tokenizer, args.config, args.mimi_preset)
+    demo = ensure_demo()
+    logger.warning("no weights given: using the demo model (random weights; it speaks noise)")
+    return ModelFiles(str(demo.lm), str(demo.mimi), str(demo.tokenizer), args.config or str(demo.config), "demo")
+
+
+def run(args: argparse.Namespace) -> int:
+    files = model_files(args)
+    dtype = DTYPES[args.dtype]
+    lm = load_lm(files.moshi, files.config, device=args.device, dtype=dtype)
+    mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=args.device, dtype=torch.float32)
+    tokenizer = TextTokenizer(resolve_file(files.tokenizer, TOKENIZER_NAME))
+    pipeline = Pipeline(lm, mimi, num_slots=1)
+    pipeline.reset(0, SamplingParams(args.temp_text, args.topk_text, args.temp, args.topk, args.seed))
+
+    frame = pipeline.frame_size
+    pcm = read_audio(args.input, mimi.cfg.sample_rate, min_samples=frame)
+    pcm = np.pad(pcm, (0, -len(pcm) % frame))  # the last partial frame is zero-padded, not dropped
+    frames = torch.from_numpy(pcm).view(-1, frame).to(args.device)
+    slot = torch.tensor([0], device=args.device)
+    silent = {lm.cfg.text_padding_token_id, lm.cfg.end_of_text_padding_id}
+    speech = []
+    tokens_out = open(args.tokens_out, "w") if args.tokens_out else None  # noqa: SIM115
+    try:
+        for index in range(len(frames)):
+            out = pipeline.step(slot, frames[index : index + 1])
+            if not out.valid[0]:
+                continue
+            speech.append(out.pcm[0].float().cpu())
+            text, audio = int(out.tokens[0, 0]), out.tokens[0, 1:].tolist()
+            if tokens_out:
+                tokens_out.write(json.dumps({"frame": index, "text": text, "audio": audio}) + "\n")
+            if text not in silent:
+                sys.stdout.write(tokenizer.piece(text))
+                sys.stdout.flush()
+    finally:
+        if tokens_out:
+            tokens_out.close()
+    sys.stdout.write("\n")
+    audio_out = torch.cat(speech).numpy() if speech else np.zeros(0, np.float32)
+    sf.write(str(args.output), audio_out, mimi.cfg.sample_rate)
+    logger.info("%d frames in, %.2f s of speech written to %s", len(frames), len(audio_out) / mimi.cfg.sample_rate,
+                args.output)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("infer", help="run a whole audio file through the model, streaming frame by frame")
+    p.add_argument("input", help="input audio (any format soundfile reads, any rate; stereo is down-mixed)")
+    p.add_argument("output", help="output WAV (24 kHz) of the model's speech")
+    p.add_argument("--moshi-weight", help="LM weights: path, hf://org/repo/file or repo id")
+    p.add_argument("--mimi-weight", help="Mimi weights")
+    p.add_argument("--tokenizer", help="sentencepiece text tokenizer")
+    p.add_argument("--config", help="reference config.json for the LM")
+    p.add_argument("--hf-repo", help="take every file not given from this Hugging Face repo")
+    p.add_argument("--mimi-preset", choices=sorted(MIMI_PRESETS), default="mimi", help="Mimi architecture")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="LM weight dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temp", type=float, default=0.8, help="audio temperature (0 = greedy)")
+    p.add_argument("--temp-text", type=float, default=0.7, help="text temperature (0 = greedy)")
+    p.add_argument("--topk", type=int, default=250, help="audio top-k")
+    p.add_argument("--topk-text", type=int, default=25, help="text top-k")
+    p.add_argument("--tokens-out", help="write one JSON line per frame: frame, text token, 8 audio tokens")
+    p.set_defaults(func=run)
