@@ -115,7 +115,21 @@ class StreamingConv1d(nn.Module):
                 ctx.put(self, "first", torch.zeros_like(first))
             x = torch.cat([previous, x], dim=-1)
             ctx.put(self, "previous", x[..., -self.context:])
-        return F.conv1d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        if self.groups != 1:
+            return F.conv1d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        # im2col + one matmul: torch's CPU conv1d takes a slow generic path for most of these shapes.
+        cout, cin, K = self.weight.shape
+        if K == 1 and self.stride == 1:
+            cols = x
+        else:
+            cols = x.unfold(-1, (K - 1) * self.dilation + 1, self.stride)[..., :: self.dilation]
+            cols = cols.transpose(2, 3).reshape(x.shape[0], cin * K, -1)
+        w, B = self.weight.view(cout, cin * K), x.shape[0]
+        if B == 1:
+            y = (w @ cols[0])[None]
+        else:  # one matmul over all rows' time steps (a batched matmul here is several times slower)
+            y = (w @ cols.transpose(0, 1).reshape(cin * K, -1)).view(cout, B, -1).transpose(0, 1)
+        return y + self.bias[:, None] if self.bias is not None else y
 
 
 class StreamingConvTranspose1d(nn.Module):
@@ -134,8 +148,27 @@ class StreamingConvTranspose1d(nn.Module):
             return {}
         return {"partial": _Buffer(torch.zeros(num_slots, self.out_channels, self.overlap, **factory), 0.0)}
 
+    def _full(self, x: torch.Tensor) -> torch.Tensor:
+        """`conv_transpose1d` (untrimmed) as a matmul plus overlap-add: torch's CPU kernel for these shapes is
+        its slow reference path (over half of a decode step)."""
+        B, cin, T = x.shape
+        K, S = self.weight.shape[-1], self.stride
+        if K % S or self.groups not in (1, cin) or (self.groups == cin and self.weight.shape[1] != 1):
+            return F.conv_transpose1d(x, self.weight, self.bias, S, groups=self.groups)
+        m, cout = K // S, self.out_channels
+        if self.groups == 1:
+            z = (x.transpose(1, 2).reshape(B * T, cin) @ self.weight.view(cin, cout * K)).view(B, T, cout, m, S)
+        else:  # depthwise
+            z = (x.transpose(1, 2)[..., None] * self.weight[:, 0]).view(B, T, cout, m, S)
+        y = z[:, :, :, 0] if m == 1 else x.new_zeros(B, T + m - 1, cout, S)
+        if m > 1:
+            for j in range(m):
+                y[:, j:j + T] += z[:, :, :, j]
+        y = y.permute(0, 2, 1, 3).reshape(B, cout, -1)
+        return y + self.bias[:, None] if self.bias is not None else y
+
     def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        y = F.conv_transpose1d(x, self.weight, self.bias, self.stride, groups=self.groups)
+        y = self._full(x)
         n = self.overlap
         if not n:
             return y

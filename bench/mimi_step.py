@@ -1,0 +1,110 @@
+"""Per-frame Mimi encode + decode time, duplexd against the reference `moshi` Mimi, same random weights, CPU fp32.
+
+Usage: python bench/mimi_step.py [--frames 30] [--warmup 5] [--threads 2]
+One step = streaming encode of one 1920-sample frame for every batch row, then streaming decode of the codes.
+Also times the tiny demo Mimi for 8 slots. Prints a table and, as its last line, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("NO_TORCH_COMPILE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from duplexd.engine.checkpoint import load_mimi  # noqa: E402
+from duplexd.engine.config import DEMO_MIMI, MIMI  # noqa: E402
+from duplexd.engine.models.mimi import MimiModel, MimiStreams  # noqa: E402
+from tests.ref_models import reference_mimi  # noqa: E402
+
+FS = MIMI.frame_size
+
+
+def _signal(batch: int, frames: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(batch)
+    t = torch.arange(frames * FS) / 24000
+    tone = torch.sin(2 * torch.pi * 180 * t) * (0.6 + 0.4 * torch.sin(2 * torch.pi * 4 * t))
+    return 0.2 * tone + 0.02 * torch.randn(batch, frames * FS, generator=gen)
+
+
+def _median_ms(step, pcm: torch.Tensor, warmup: int) -> float:
+    times = []
+    for f in range(pcm.shape[-1] // FS):
+        started = time.perf_counter()
+        step(pcm[:, f * FS:(f + 1) * FS])
+        if f >= warmup:
+            times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+@torch.no_grad()
+def run(batch: int, ref, model: MimiModel, frames: int, warmup: int) -> tuple[float, float]:
+    """Both sides step the same frames alternately, so load from other processes hits them alike."""
+    pcm = _signal(batch, frames + warmup)
+    streams = MimiStreams(model, num_slots=batch)
+    slots = torch.arange(batch)
+    times: dict[str, list[float]] = {"dx": [], "ref": []}
+    with ref.streaming(batch):
+        for f in range(frames + warmup):
+            x = pcm[:, f * FS:(f + 1) * FS]
+            for side in ("ref", "dx") if f % 2 else ("dx", "ref"):
+                started = time.perf_counter()
+                if side == "ref":
+                    ref.decode(ref.encode(x[:, None]))
+                else:
+                    streams.decode(slots, streams.encode(slots, x))
+                if f >= warmup:
+                    times[side].append(time.perf_counter() - started)
+    return 1000 * statistics.median(times["dx"]), 1000 * statistics.median(times["ref"])
+
+
+@torch.no_grad()
+def demo_ms(slots: int, frames: int, warmup: int) -> float:
+    model = MimiModel(DEMO_MIMI).init_weights_(seed=0).eval()
+    streams = MimiStreams(model, num_slots=slots)
+    idx = torch.arange(slots)
+    return _median_ms(lambda x: streams.decode(idx, streams.encode(idx, x)), _signal(slots, frames + warmup), warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=30, help="timed frames (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    ref = reference_mimi(seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mimi.safetensors"
+        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+        model = load_mimi(path, MIMI)
+
+    result: dict[str, object] = {"bench": "mimi_step"}
+    print(f"Mimi encode + decode of one frame, CPU fp32, {args.threads} threads, "
+          f"median of {args.frames} frames after {args.warmup} warm-up")
+    print(f"{'batch':>5} {'duplexd ms':>11} {'reference ms':>13} {'ratio':>7}")
+    for batch in (1, 4):
+        dx_ms, ref_ms = run(batch, ref, model, args.frames, args.warmup)
+        ratio = dx_ms / ref_ms
+        print(f"{batch:>5} {dx_ms:>11.2f} {ref_ms:>13.2f} {ratio:>7.3f}")
+        result.update({f"duplexd_ms_b{batch}": round(dx_ms, 3), f"reference_ms_b{batch}": round(ref_ms, 3),
+                       f"ratio_b{batch}": round(ratio, 3)})
+    demo = demo_ms(8, args.frames, args.warmup)
+    print(f"demo Mimi (dim {DEMO_MIMI.dimension}, {DEMO_MIMI.n_filters} filters), 8 slots: {demo:.2f} ms per frame")
+    result["demo_ms_8_slots"] = round(demo, 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
