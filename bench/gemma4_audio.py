@@ -81,7 +81,7 @@ def main() -> None:
                     help="lengths of one padded batch of files (nothing = skip the batch case)")
     ap.add_argument("--iters", type=int, default=3, help="timed calls per case (after one warm-up)")
     ap.add_argument("--stream-steps", type=int, default=25, help="80 ms steps per streaming run")
-    ap.add_argument("--slots", type=int, nargs="+", default=[1, 8], help="streaming batch sizes")
+    ap.add_argument("--slots", type=int, nargs="*", default=[1, 8], help="streaming batch sizes (nothing = skip)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
