@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,23 +117,32 @@ def _few(keys: set[str] | list[str], n: int = 5) -> str:
     return ", ".join(keys[:n]) + more
 
 
-def load_lm_weights(model: LMModel, path: Path) -> str:
-    """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`."""
-    params = dict(model.named_parameters())
+def load_mapped(
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    rows_for: Callable[[str], list[KeyMap]],
+    normalise: Callable[[str], str] = _normalise,
+    what: str = "",
+) -> str:
+    """Fill `tensors` (by duplexd name) from the safetensors file at `path` through a key map.
+
+    `rows_for(naming)` gives the map for the naming the file turns out to use; everything is checked (missing,
+    unexpected, shapes) before the first tensor is read. Returns the naming. Raises `CheckpointError`.
+    """
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
     with handle as f:
-        original = {_normalise(k): k for k in f.keys()}
+        original = {normalise(k): k for k in f.keys()}
         naming = detect_naming(set(original))
-        expected = {row.key: row for row in key_map(model.cfg, naming)}
+        expected = {row.key: row for row in rows_for(naming)}
         missing = set(expected) - set(original)
         unexpected = set(original) - set(expected)
         if missing:
-            raise CheckpointError(f"{path}: {len(missing)} missing key(s) ({naming} naming): {_few(missing)}")
+            raise CheckpointError(f"{path}: {len(missing)} missing {what}key(s) ({naming} naming): {_few(missing)}")
         if unexpected:
-            raise CheckpointError(f"{path}: {len(unexpected)} unexpected key(s): {_few(unexpected)}")
+            raise CheckpointError(f"{path}: {len(unexpected)} unexpected {what}key(s): {_few(unexpected)}")
         for key, row in expected.items():
             shape = tuple(f.get_slice(original[key]).get_shape())
             if shape != row.shape:
@@ -144,16 +154,24 @@ def load_lm_weights(model: LMModel, path: Path) -> str:
                 tensor = f.get_tensor(original[key])
             except SafetensorError as e:
                 raise CheckpointError(f"{path}: cannot read {key} (truncated or corrupt file?): {e}") from None
-            target = _target(params, row)
+            target = _target(tensors, row)
             target.copy_(tensor.view(target.shape))
     return naming
 
 
+def save_mapped(tensors: dict[str, torch.Tensor], rows: list[KeyMap], path: str | Path) -> None:
+    """Write `tensors` under their reference keys (the inverse of `load_mapped`)."""
+    save_file({row.key: _target(tensors, row).reshape(row.shape).contiguous() for row in rows}, str(path))
+
+
+def load_lm_weights(model: LMModel, path: Path) -> str:
+    """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`."""
+    return load_mapped(dict(model.named_parameters()), path, lambda naming: key_map(model.cfg, naming))
+
+
 def save_lm_weights(model: LMModel, path: str | Path, naming: str = "fused") -> None:
     """Write `model` as a reference-format LM checkpoint (loadable by `moshi` and by duplexd)."""
-    params = dict(model.named_parameters())
-    tensors = {row.key: _target(params, row).reshape(row.shape).contiguous() for row in key_map(model.cfg, naming)}
-    save_file(tensors, str(path))
+    save_mapped(dict(model.named_parameters()), key_map(model.cfg, naming), path)
 
 
 def build_lm(cfg: LMConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LMModel:
@@ -229,46 +247,19 @@ def _normalise_mimi(key: str) -> str:
     return key
 
 
+def _mimi_tensors(model: MimiModel) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
 def load_mimi_weights(model: MimiModel, path: Path) -> str:
     """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`."""
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
-    with handle as f:
-        original = {_normalise_mimi(k): k for k in f.keys()}
-        naming = detect_naming(set(original))
-        expected = {row.key: row for row in mimi_key_map(model, naming)}
-        missing = set(expected) - set(original)
-        unexpected = set(original) - set(expected)
-        if missing:
-            raise CheckpointError(f"{path}: {len(missing)} missing Mimi key(s) ({naming} naming): {_few(missing)}")
-        if unexpected:
-            raise CheckpointError(f"{path}: {len(unexpected)} unexpected Mimi key(s): {_few(unexpected)}")
-        for key, row in expected.items():
-            shape = tuple(f.get_slice(original[key]).get_shape())
-            if shape != row.shape:
-                raise CheckpointError(
-                    f"{path}: shape mismatch for {key}: expected {list(row.shape)}, got {list(shape)}"
-                )
-        for key, row in expected.items():
-            try:
-                tensor = f.get_tensor(original[key])
-            except SafetensorError as e:
-                raise CheckpointError(f"{path}: cannot read {key} (truncated or corrupt file?): {e}") from None
-            target = _target(tensors, row)
-            target.copy_(tensor.view(target.shape))
-    return naming
+    return load_mapped(_mimi_tensors(model), path, lambda naming: mimi_key_map(model, naming), _normalise_mimi,
+                       what="Mimi ")
 
 
 def save_mimi_weights(model: MimiModel, path: str | Path, naming: str = "module") -> None:
     """Write `model` as a reference-format Mimi checkpoint (loads strictly into the reference `MimiModel`)."""
-    tensors = dict(model.named_parameters())
-    tensors.update(model.named_buffers())
-    out = {row.key: _target(tensors, row).reshape(row.shape).contiguous() for row in mimi_key_map(model, naming)}
-    save_file(out, str(path))
+    save_mapped(_mimi_tensors(model), mimi_key_map(model, naming), path)
 
 
 def load_mimi(
