@@ -11,7 +11,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
+from bench.common import side_by_side, through_checkpoint  # noqa: E402
 from duplexd.engine.checkpoint import load_lm  # noqa: E402
 from duplexd.engine.config import LMConfig, SamplingParams  # noqa: E402
 from duplexd.engine.lm_gen import LMGen  # noqa: E402
@@ -69,22 +68,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     ref_lm = reference_lm(CONFIG, seed=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "lm.safetensors"
-        save_file({k: v.contiguous() for k, v in ref_lm.state_dict().items()}, str(path))
-        model = load_lm(path, CONFIG)
+    model = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, CONFIG))
 
     result: dict[str, object] = {"bench": "lm_step"}
     print(f"LM step, CPU fp32, {args.threads} threads, median of {args.frames} frames after {args.warmup} warm-up")
     print(f"config: dim {CONFIG.dim} x {CONFIG.num_layers} layers, depformer {CONFIG.depformer_dim} x "
           f"{CONFIG.depformer_num_layers}, text_card {CONFIG.text_card}, context {CONFIG.context}")
-    print(f"{'batch':>5} {'duplexd ms':>11} {'reference ms':>13} {'ratio':>7}")
-    for batch in (1, 4):
-        dx_ms, ref_ms = run(batch, ref_lm, model, args.frames, args.warmup)
-        ratio = dx_ms / ref_ms
-        print(f"{batch:>5} {dx_ms:>11.2f} {ref_ms:>13.2f} {ratio:>7.3f}")
-        result.update({f"duplexd_ms_b{batch}": round(dx_ms, 3), f"reference_ms_b{batch}": round(ref_ms, 3),
-                       f"ratio_b{batch}": round(ratio, 3)})
+    side_by_side(lambda batch: run(batch, ref_lm, model, args.frames, args.warmup), result)
     print(json.dumps(result))
 
 

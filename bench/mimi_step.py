@@ -12,7 +12,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +19,8 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
+from bench.common import side_by_side, through_checkpoint  # noqa: E402
 from duplexd.engine.checkpoint import load_mimi  # noqa: E402
 from duplexd.engine.config import DEMO_MIMI, MIMI  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel, MimiStreams  # noqa: E402
@@ -85,21 +84,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     ref = reference_mimi(seed=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "mimi.safetensors"
-        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
-        model = load_mimi(path, MIMI)
+    model = through_checkpoint(ref.state_dict(), lambda path: load_mimi(path, MIMI))
 
     result: dict[str, object] = {"bench": "mimi_step"}
     print(f"Mimi encode + decode of one frame, CPU fp32, {args.threads} threads, "
           f"median of {args.frames} frames after {args.warmup} warm-up")
-    print(f"{'batch':>5} {'duplexd ms':>11} {'reference ms':>13} {'ratio':>7}")
-    for batch in (1, 4):
-        dx_ms, ref_ms = run(batch, ref, model, args.frames, args.warmup)
-        ratio = dx_ms / ref_ms
-        print(f"{batch:>5} {dx_ms:>11.2f} {ref_ms:>13.2f} {ratio:>7.3f}")
-        result.update({f"duplexd_ms_b{batch}": round(dx_ms, 3), f"reference_ms_b{batch}": round(ref_ms, 3),
-                       f"ratio_b{batch}": round(ratio, 3)})
+    side_by_side(lambda batch: run(batch, ref, model, args.frames, args.warmup), result)
     demo = demo_ms(8, args.frames, args.warmup)
     print(f"demo Mimi (dim {DEMO_MIMI.dimension}, {DEMO_MIMI.n_filters} filters), 8 slots: {demo:.2f} ms per frame")
     result["demo_ms_8_slots"] = round(demo, 3)
