@@ -3,7 +3,8 @@
 Plain PyTorch in the spirit of gpt-fast: weights are stored in the layout the step wants (fused QKV, the
 DepFormer's per-step weights stacked along a leading step axis, all audio embeddings in one table), so a frame
 is a handful of matmuls. Projection weights are stored as [in, out] (`x @ w`): for the single-row matmuls of a
-decode step this is 1.3-1.7x faster on CPU BLAS than torch's [out, in] `F.linear` (see docs/BENCHMARKS.md).
+decode step this is 1.3-1.7x faster on CPU BLAS than torch's [out, in] `F.linear`, and batches of rows go
+through `kernels.cpu_matmul` (see docs/BENCHMARKS.md).
 `engine.checkpoint` maps the reference's key namings onto these parameters.
 
 The ops come from `duplexd.kernels` (Triton on CUDA, the torch references on CPU). Every residual add is fused
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duplexd.kernels.cpu_matmul import matmul
 from duplexd.kernels.decode_attention import decode_attention
 from duplexd.kernels.dispatch import use_triton
 from duplexd.kernels.rms_norm import add_rms_norm, rms_norm
@@ -62,9 +64,9 @@ class DepformerLayer(nn.Module):
         self.w_out = _param(steps, hidden, dim)
 
 
-def gated_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mm=torch.matmul) -> torch.Tensor:
     """`(silu(gate) * value) @ w_out`; the outputs of `w_in` are [gate | value] as in the reference."""
-    return silu_gate(x @ w_in) @ w_out
+    return mm(silu_gate(mm(x, w_in)), w_out)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -132,7 +134,7 @@ class LMModel(nn.Module):
         last = len(self.layers) - 1
         h = rms_norm(x, self.layers[0].attn_norm, NORM_EPS)
         for i, layer in enumerate(self.layers):
-            qkv = (h @ layer.wqkv).view(-1, 3, heads, dh)
+            qkv = matmul(h, layer.wqkv).view(-1, 3, heads, dh)
             q, k = rope_qk(qkv[:, 0], qkv[:, 1], cos, sin)
             if paged:
                 cache.store(i, slots, positions, k, qkv[:, 2])
@@ -140,10 +142,10 @@ class LMModel(nn.Module):
             else:
                 keys, values, valid = cache.attend_window(i, slots, positions, k, qkv[:, 2])
                 attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :])
-            h, x = add_rms_norm(attn.flatten(1) @ layer.wo, x, layer.mlp_norm, NORM_EPS)
+            h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
             next_norm = self.layers[i + 1].attn_norm if i < last else self.out_norm
-            h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
-        return h, h @ self.text_head
+            h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out, matmul), x, next_norm, NORM_EPS)
+        return h, matmul(h, self.text_head)
 
     def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
         """Run the `dep_q` sub-steps; `sample(step, logits [B, card]) -> tokens [B]` picks each codebook.

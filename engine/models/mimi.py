@@ -10,7 +10,7 @@ subset of slots; rows are read and written in place, so slots never see each oth
 
 Parameter names follow the reference's module naming minus its wrapper levels (`encoder.model.0.weight` for the
 reference's `encoder.model.0.conv.conv.weight`); `reference_keys` gives the exact mapping for checkpoints.
-Transformer projections are stored [in, out] (faster `x @ w` on CPU).
+Transformer projections are stored [in, out] and multiplied through `kernels.cpu_matmul` (faster on CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.cpu_matmul import matmul
 from ...kernels.rope import apply_rope, rope_angles
 from ..config import MimiConfig
 
@@ -260,15 +261,15 @@ class TransformerLayer(nn.Module):
                 rows: _Rows, ring: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """x [B, T, d]; cache [S, 2, H, L, D] is this layer's KV ring, `ring` [B, T] where new entries go."""
         B, T, d = x.shape
-        qkv = (self.norm1(x) @ self.wqkv).view(B, T, 3, self.num_heads, -1)
+        qkv = matmul(self.norm1(x), self.wqkv).view(B, T, 3, self.num_heads, -1)
         q = apply_rope(qkv[:, :, 0], cos, sin)
         k = apply_rope(qkv[:, :, 1], cos, sin)
         cache[rows.index[:, None], 0, :, ring] = k
         cache[rows.index[:, None], 1, :, ring] = qkv[:, :, 2]
         kv = rows.get(cache)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), kv[:, 0], kv[:, 1], attn_mask=mask)
-        x = x + self.layer_scale_1 * (attn.transpose(1, 2).reshape(B, T, d) @ self.wo)
-        return x + self.layer_scale_2 * (F.gelu(self.norm2(x) @ self.w1) @ self.w2)
+        x = x + self.layer_scale_1 * matmul(attn.transpose(1, 2).reshape(B, T, d), self.wo)
+        return x + self.layer_scale_2 * matmul(F.gelu(matmul(self.norm2(x), self.w1)), self.w2)
 
 
 class Transformer(nn.Module):

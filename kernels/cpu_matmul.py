@@ -1,0 +1,36 @@
+"""`x @ w` for weights stored [in, out], with oneDNN-prepacked weights for multi-row fp32 matmuls on CPU.
+
+MKL's fp32 GEMM with a handful of rows (a batch of decode steps, Mimi's two tokens per slot) runs at a third of
+its single-row bandwidth on the CPUs measured here, while a oneDNN matmul on a weight packed once for its
+blocking keeps ~8.5 GB/s (docs/BENCHMARKS.md). Single rows stay on `x @ w`, which is faster still. The packed
+copy is made on first use and remade if the weight is modified in place; it doubles that weight's memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# id(weight) -> (weak reference to it, its version when packed, packed copy); entries leave with their weight.
+_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _packed(w: torch.Tensor, rows: int) -> torch.Tensor:
+    key = id(w)
+    hit = _PACKED.get(key)
+    if hit is None or hit[0]() is not w or hit[1] != w._version:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), rows)
+        hit = (weakref.ref(w, lambda _, key=key: _PACKED.pop(key, None)), w._version, packed)
+        _PACKED[key] = hit
+    return hit[2]
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w` with `w` [in, out]; exact same maths, faster kernel choice on CPU."""
+    rows = x.numel() // x.shape[-1]
+    if (rows == 1 or not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
+            or w.dim() != 2 or torch.is_grad_enabled()):
+        return x @ w
+    return torch.ops.mkldnn._linear_pointwise(x, _packed(w, rows), None, "none", [], "")

@@ -1,0 +1,35 @@
+"""The CPU matmul dispatcher: same result as `x @ w`, repacked after in-place updates, cache freed with w."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from duplexd.kernels import cpu_matmul
+from duplexd.kernels.cpu_matmul import matmul
+
+
+@pytest.mark.parametrize("shape", [(1, 67), (4, 67), (3, 5, 67)])
+def test_matches_plain_matmul(shape):
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(67, 131, generator=gen), torch.randn(*shape, generator=gen)
+    with torch.no_grad():
+        out = matmul(x, w)
+    assert out.shape == (*shape[:-1], 131)
+    torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_in_place_update_is_seen_and_cache_is_released():
+    w, x = torch.randn(32, 48), torch.randn(4, 32)
+    with torch.no_grad():
+        matmul(x, w)
+        w.mul_(-2.0)
+        torch.testing.assert_close(matmul(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    if cpu_matmul._ONEDNN:
+        assert id(w) in cpu_matmul._PACKED
+        key = id(w)
+        del w
+        gc.collect()
+        assert key not in cpu_matmul._PACKED
