@@ -2,8 +2,10 @@
 
 MKL's fp32 GEMM with a handful of rows (a batch of decode steps, Mimi's two tokens per slot) runs at a third of
 its single-row bandwidth on the CPUs measured here, while a oneDNN matmul on a weight packed once for its
-blocking keeps ~8.5 GB/s (docs/BENCHMARKS.md). Single rows stay on `x @ w`, which is faster still. The packed
-copy is made on first use and remade if the weight is modified in place; it doubles that weight's memory.
+blocking keeps ~8.5 GB/s (docs/BENCHMARKS.md). Single rows stay on `x @ w`, which is faster still, and so do
+tall inputs (many rows), where MKL is compute-bound and fine. The packed copy is made on first use, keyed by the
+weight (a view is keyed by its base tensor and geometry, so per-step slices of a stacked weight each get one),
+and remade if the weight is modified in place; it doubles that weight's memory.
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ import weakref
 
 import torch
 
-# id(weight) -> (weak reference to it, its version when packed, packed copy); entries leave with their weight.
-_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+# (base id, offset, shape, stride) -> (weak reference to the base, version when packed, packed copy); entries
+# leave with their base tensor.
+_PACKED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+MAX_ROWS = 64  # above this MKL's GEMM is as good
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _packed(w: torch.Tensor, rows: int) -> torch.Tensor:
-    key = id(w)
+    base = w if w._base is None else w._base
+    key = (id(base), w.storage_offset(), tuple(w.shape), w.stride())
     hit = _PACKED.get(key)
-    if hit is None or hit[0]() is not w or hit[1] != w._version:
+    if hit is None or hit[0]() is not base or hit[1] != w._version:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), rows)
-        hit = (weakref.ref(w, lambda _, key=key: _PACKED.pop(key, None)), w._version, packed)
+        hit = (weakref.ref(base, lambda _, key=key: _PACKED.pop(key, None)), w._version, packed)
         _PACKED[key] = hit
     return hit[2]
 
@@ -30,7 +35,7 @@ def _packed(w: torch.Tensor, rows: int) -> torch.Tensor:
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x @ w` with `w` [in, out]; exact same maths, faster kernel choice on CPU."""
     rows = x.numel() // x.shape[-1]
-    if (rows == 1 or not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
-            or w.dim() != 2 or torch.is_grad_enabled()):
+    if (not 1 < rows <= MAX_ROWS or not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32
+            or w.dtype != torch.float32 or w.dim() != 2 or torch.is_grad_enabled()):
         return x @ w
     return torch.ops.mkldnn._linear_pointwise(x, _packed(w, rows), None, "none", [], "")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.cpu_matmul import matmul
+from ...kernels.cpu_matmul import MAX_ROWS, matmul
 from ...kernels.rope import apply_rope, rope_angles
 from ..config import MimiConfig
 
@@ -125,8 +125,10 @@ class StreamingConv1d(nn.Module):
         else:
             cols = x.unfold(-1, (K - 1) * self.dilation + 1, self.stride)[..., :: self.dilation]
             cols = cols.transpose(2, 3).reshape(x.shape[0], cin * K, -1)
-        w, B = self.weight.view(cout, cin * K), x.shape[0]
-        if B == 1:
+        w, B, T = self.weight.view(cout, cin * K), x.shape[0], cols.shape[-1]
+        if B * T <= MAX_ROWS:  # few output steps: weight-bound, the packed matmul wins
+            y = matmul(cols.transpose(1, 2).reshape(B * T, cin * K), w.t()).view(B, T, cout).transpose(1, 2)
+        elif B == 1:
             y = (w @ cols[0])[None]
         else:  # one matmul over all rows' time steps (a batched matmul here is several times slower)
             y = (w @ cols.transpose(0, 1).reshape(cin * K, -1)).view(cout, B, -1).transpose(0, 1)
@@ -158,7 +160,7 @@ class StreamingConvTranspose1d(nn.Module):
             return F.conv_transpose1d(x, self.weight, self.bias, S, groups=self.groups)
         m, cout = K // S, self.out_channels
         if self.groups == 1:
-            z = (x.transpose(1, 2).reshape(B * T, cin) @ self.weight.view(cin, cout * K)).view(B, T, cout, m, S)
+            z = matmul(x.transpose(1, 2).reshape(B * T, cin), self.weight.view(cin, cout * K)).view(B, T, cout, m, S)
         else:  # depthwise
             z = (x.transpose(1, 2)[..., None] * self.weight[:, 0]).view(B, T, cout, m, S)
         y = z[:, :, :, 0] if m == 1 else x.new_zeros(B, T + m - 1, cout, S)
