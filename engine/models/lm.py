@@ -64,9 +64,9 @@ class DepformerLayer(nn.Module):
         self.w_out = _param(steps, hidden, dim)
 
 
-def gated_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, mm=torch.matmul) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
     """`(silu(gate) * value) @ w_out`; the outputs of `w_in` are [gate | value] as in the reference."""
-    return mm(silu_gate(mm(x, w_in)), w_out)
+    return matmul(silu_gate(matmul(x, w_in)), w_out)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ class LMModel(nn.Module):
                 attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :])
             h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
             next_norm = self.layers[i + 1].attn_norm if i < last else self.out_norm
-            h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out, matmul), x, next_norm, NORM_EPS)
+            h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
         return h, matmul(h, self.text_head)
 
     def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
@@ -161,18 +161,18 @@ class LMModel(nn.Module):
         tokens, all_logits = [], []
         last = len(self.dep_layers) - 1
         for step in range(q):
-            h, x = add_rms_norm(hidden @ self.dep_in[step], prev, self.dep_layers[0].attn_norm, NORM_EPS)
+            h, x = add_rms_norm(matmul(hidden, self.dep_in[step]), prev, self.dep_layers[0].attn_norm, NORM_EPS)
             for i, layer in enumerate(self.dep_layers):
-                qkv = (h @ layer.wqkv[step]).view(batch, 3, heads, dh)
+                qkv = matmul(h, layer.wqkv[step]).view(batch, 3, heads, dh)
                 kv[i, :, :, :, step] = qkv[:, 1:].transpose(0, 1)
                 attn = attend(qkv[:, 0], kv[i, 0, :, :, : step + 1], kv[i, 1, :, :, : step + 1])
-                h, x = add_rms_norm(attn.flatten(1) @ layer.wo[step], x, layer.mlp_norm, NORM_EPS)
+                h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo[step]), x, layer.mlp_norm, NORM_EPS)
                 update = gated_mlp(h, layer.w_in[step], layer.w_out[step])
                 if i < last:
                     h, x = add_rms_norm(update, x, self.dep_layers[i + 1].attn_norm, NORM_EPS)
                 else:
                     x = x + update
-            logits = x @ self.dep_heads[step]
+            logits = matmul(x, self.dep_heads[step])
             token = sample(step, logits)
             tokens.append(token)
             if want_logits:
