@@ -6,12 +6,9 @@ Prints a table and, as its last line, one JSON object with the figures and ratio
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
@@ -20,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 
-from bench.common import side_by_side, through_checkpoint  # noqa: E402
+from bench.common import median_ms, parse_args, side_by_side, through_checkpoint  # noqa: E402
 from duplexd.engine.checkpoint import load_lm  # noqa: E402
 from duplexd.engine.config import LMConfig, SamplingParams  # noqa: E402
 from duplexd.engine.lm_gen import LMGen  # noqa: E402
@@ -33,16 +30,6 @@ CONFIG = LMConfig(dim=1024, num_heads=16, num_layers=8, depformer_dim=512,
 PARAMS = SamplingParams(text_temperature=0.7, text_topk=25, audio_temperature=0.8, audio_topk=250)
 
 
-def _median_ms(step, codes: torch.Tensor, warmup: int) -> float:
-    times = []
-    for frame in range(len(codes)):
-        started = time.perf_counter()
-        step(codes[frame])
-        if frame >= warmup:
-            times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
-
-
 @torch.no_grad()
 def run(batch: int, ref_lm, model, frames: int, warmup: int) -> tuple[float, float]:
     codes = torch.randint(0, CONFIG.card, (frames + warmup, batch, CONFIG.num_user_codebooks),
@@ -50,22 +37,17 @@ def run(batch: int, ref_lm, model, frames: int, warmup: int) -> tuple[float, flo
     ref = RefLMGen(ref_lm, temp=PARAMS.audio_temperature, top_k=PARAMS.audio_topk,
                    temp_text=PARAMS.text_temperature, top_k_text=PARAMS.text_topk)
     with ref.streaming(batch):
-        ref_ms = _median_ms(lambda c: ref.step(c[:, :, None]), codes, warmup)
+        ref_ms = median_ms(lambda c: ref.step(c[:, :, None]), codes, warmup)
     gen = LMGen(model, num_slots=batch)
     for slot in range(batch):
         gen.reset(slot, PARAMS)
     slots = torch.arange(batch)
-    dx_ms = _median_ms(lambda c: gen.step(slots, c), codes, warmup)
+    dx_ms = median_ms(lambda c: gen.step(slots, c), codes, warmup)
     return dx_ms, ref_ms
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, default=30, help="timed frames (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_args(__doc__)
 
     ref_lm = reference_lm(CONFIG, seed=0)
     model = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, CONFIG))

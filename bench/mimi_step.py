@@ -7,7 +7,6 @@ Also times the tiny demo Mimi for 8 slots. Prints a table and, as its last line,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import side_by_side, through_checkpoint  # noqa: E402
+from bench.common import median_ms, parse_args, side_by_side, through_checkpoint  # noqa: E402
 from duplexd.engine.checkpoint import load_mimi  # noqa: E402
 from duplexd.engine.config import DEMO_MIMI, MIMI  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel, MimiStreams  # noqa: E402
@@ -34,16 +33,6 @@ def _signal(batch: int, frames: int) -> torch.Tensor:
     t = torch.arange(frames * FS) / 24000
     tone = torch.sin(2 * torch.pi * 180 * t) * (0.6 + 0.4 * torch.sin(2 * torch.pi * 4 * t))
     return 0.2 * tone + 0.02 * torch.randn(batch, frames * FS, generator=gen)
-
-
-def _median_ms(step, pcm: torch.Tensor, warmup: int) -> float:
-    times = []
-    for f in range(pcm.shape[-1] // FS):
-        started = time.perf_counter()
-        step(pcm[:, f * FS:(f + 1) * FS])
-        if f >= warmup:
-            times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
 
 
 @torch.no_grad()
@@ -72,16 +61,12 @@ def demo_ms(slots: int, frames: int, warmup: int) -> float:
     model = MimiModel(DEMO_MIMI).init_weights_(seed=0).eval()
     streams = MimiStreams(model, num_slots=slots)
     idx = torch.arange(slots)
-    return _median_ms(lambda x: streams.decode(idx, streams.encode(idx, x)), _signal(slots, frames + warmup), warmup)
+    frames_in = _signal(slots, frames + warmup).split(FS, dim=-1)
+    return median_ms(lambda x: streams.decode(idx, streams.encode(idx, x)), frames_in, warmup)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, default=30, help="timed frames (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_args(__doc__)
 
     ref = reference_mimi(seed=0)
     model = through_checkpoint(ref.state_dict(), lambda path: load_mimi(path, MIMI))
