@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SamplingParams
+from .kv_cache import PagedKVCache
 from .lm_gen import LMGen
 from .models.lm import LMModel
 from .models.mimi import MimiModel, MimiStreams
@@ -24,15 +25,15 @@ class FrameOutput:
 
 
 class Pipeline:
-    """Mimi and the LM sharing `num_slots` conversation slots."""
+    """Mimi and the LM sharing `num_slots` conversation slots (`kv`: the LM's paged cache, see `LMGen`)."""
 
-    def __init__(self, lm: LMModel, mimi: MimiModel, num_slots: int) -> None:
+    def __init__(self, lm: LMModel, mimi: MimiModel, num_slots: int, kv: PagedKVCache | None = None) -> None:
         if mimi.cfg.num_codebooks < lm.cfg.num_user_codebooks or mimi.cfg.card != lm.cfg.card:
             raise ValueError(
                 f"Mimi ({mimi.cfg.num_codebooks} codebooks of {mimi.cfg.card}) does not match the LM "
                 f"({lm.cfg.num_user_codebooks} user codebooks of {lm.cfg.card})"
             )
-        self.lm_gen = LMGen(lm, num_slots)
+        self.lm_gen = LMGen(lm, num_slots, kv)
         self.mimi = MimiStreams(mimi, num_slots)
         self.frame_size = mimi.cfg.frame_size
 

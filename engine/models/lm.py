@@ -8,9 +8,9 @@ through `kernels.cpu_matmul` (see docs/BENCHMARKS.md).
 `engine.checkpoint` maps the reference's key namings onto these parameters.
 
 The ops come from `duplexd.kernels` (Triton on CUDA, the torch references on CPU). Every residual add is fused
-with the norm that follows it (`add_rms_norm`), which on CPU is exactly the unfused arithmetic. On CUDA the
-temporal attention reads the ring cache through the paged decode-attention kernel (the ring is a one-page-per-slot
-pool), with no host synchronisation; on CPU it stays a masked SDPA over views of the ring.
+with the norm that follows it (`add_rms_norm`), which on CPU is exactly the unfused arithmetic. The temporal
+attention reads the paged KV cache (`engine.kv_cache`) through the paged decode-attention op, with no host
+synchronisation, so a step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from duplexd.kernels.cpu_matmul import matmul
-from duplexd.kernels.decode_attention import decode_attention
-from duplexd.kernels.dispatch import use_triton
 from duplexd.kernels.rms_norm import add_rms_norm, rms_norm
 from duplexd.kernels.rope import rope_angles, rope_qk
 from duplexd.kernels.silu_gate import silu_gate
 
 from ..config import LMConfig
-from ..slot_kv_cache import SlotKVCache
+from ..kv_cache import PagedBatch, PagedKVCache
 
 NORM_EPS = 1e-8
 
@@ -103,10 +101,11 @@ class LMModel(nn.Module):
         )
         self.dep_heads = _param(q, dd, cfg.card)
 
-    def new_kv_cache(self, num_slots: int) -> SlotKVCache:
+    def new_kv_cache(self, num_slots: int, num_pages: int, page_size: int) -> PagedKVCache:
         cfg = self.cfg
-        return SlotKVCache(
-            cfg.num_layers, num_slots, cfg.num_heads, cfg.context, cfg.head_dim,
+        return PagedKVCache(
+            num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, context=cfg.context,
+            num_slots=num_slots, num_pages=num_pages, page_size=page_size,
             dtype=self.text_emb.dtype, device=self.text_emb.device,
         )
 
@@ -121,27 +120,19 @@ class LMModel(nn.Module):
         return audio_x + text_x
 
     def forward_text(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, slots: torch.Tensor | None
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One temporal step. Returns the post-`out_norm` hidden state [B, dim] and text logits [B, text_card]."""
         cfg = self.cfg
         heads, dh = cfg.num_heads, cfg.head_dim
         x = self.embed(tokens)
         cos, sin = rope_angles(positions, dh, cfg.max_period)
-        paged = use_triton(x)
-        if paged:
-            table, lengths = cache.block_table(slots, len(positions)), positions + 1
         last = len(self.layers) - 1
         h = rms_norm(x, self.layers[0].attn_norm, NORM_EPS)
         for i, layer in enumerate(self.layers):
             qkv = matmul(h, layer.wqkv).view(-1, 3, heads, dh)
             q, k = rope_qk(qkv[:, 0], qkv[:, 1], cos, sin)
-            if paged:
-                cache.store(i, slots, positions, k, qkv[:, 2])
-                attn = decode_attention(q, *cache.pages(i), table, lengths, cache.context)
-            else:
-                keys, values, valid = cache.attend_window(i, slots, positions, k, qkv[:, 2])
-                attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :])
+            attn = cache.attend(i, view, q, k, qkv[:, 2])
             h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
             next_norm = self.layers[i + 1].attn_norm if i < last else self.out_norm
             h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)

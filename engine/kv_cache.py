@@ -1,0 +1,139 @@
+"""The temporal transformer's paged KV cache: one preallocated page pool, a block table and a ring per slot.
+
+One pool per layer holds `num_pages` pages of `page_size` frames ([layers, pages + 1, page_size, H, D] for keys
+and for values; the extra last page is scratch). A slot owns the pages listed in its block-table row; logical
+position p of the slot lives in page `table[(p // page_size) % max_pages]` at offset `p % page_size`, where
+`max_pages = ceil(context / page_size)`. So a slot's pages form a ring of at least `context` positions: a page
+whose frames leave the reference's window (the last `context` positions) is recycled in place for the next
+frames, without copies or host work (vLLM's block tables, with the window of Moshi's ring cache).
+
+Admission reserves every page a session can ever need up front (a whole window, or fewer when the session's
+length is capped below the window), so an admitted conversation can never run out of pages mid-sentence.
+Unassigned table entries and the rows of idle slots point at the scratch page: padding rows of a bucketed batch
+write there and never touch a live session's pages.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from duplexd.kernels.decode_attention import decode_attention
+
+from .errors import CapacityError
+
+logger = logging.getLogger(__name__)
+
+
+def pages_for(frames: int, page_size: int) -> int:
+    return -(-frames // page_size)
+
+
+def window_pages(context: int, page_size: int, frames: int | None = None) -> int:
+    """Pages a session of `frames` frames (None: unbounded) reserves: never more than one window."""
+    window = context if frames is None else min(frames, context)
+    return pages_for(max(window, 1), page_size)
+
+
+@dataclass
+class PagedBatch:
+    """One step's view of the pool for a batch of rows (built by `PagedKVCache.batch`, or static for a graph)."""
+
+    block_table: torch.Tensor  # [B, max_pages] int32
+    lengths: torch.Tensor  # [B] int32: positions + 1 (this step's key included)
+    write_page: torch.Tensor  # [B] long: page of this step's key
+    write_offset: torch.Tensor  # [B] long: its offset in the page
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.block_table, self.lengths, self.write_page, self.write_offset
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        context: int,
+        num_slots: int,
+        num_pages: int,
+        page_size: int = 64,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if page_size < 1 or num_pages < 0 or num_slots < 1:
+            raise ValueError(f"bad pool geometry: page_size {page_size}, num_pages {num_pages}, slots {num_slots}")
+        self.context, self.page_size, self.num_pages, self.num_slots = context, page_size, num_pages, num_slots
+        self.max_pages = pages_for(context, page_size)
+        self.scratch = num_pages
+        shape = (num_layers, num_pages + 1, page_size, num_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.tables = torch.full((num_slots, self.max_pages), self.scratch, dtype=torch.int32, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: recently freed pages are reused first
+        self._owned: dict[int, list[int]] = {}
+
+    @staticmethod
+    def page_bytes(num_layers: int, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one page across all layers, keys and values."""
+        return 2 * num_layers * page_size * num_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    # ---------------------------------------------------------------------------------------- host bookkeeping
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_needed(self, frames: int | None = None) -> int:
+        return window_pages(self.context, self.page_size, frames)
+
+    def sessions_fit(self, frames: int | None = None) -> int:
+        """How many more sessions of `frames` frames the free pages can hold."""
+        return self.pages_free // self.pages_needed(frames)
+
+    def allocate(self, slot: int, frames: int | None = None) -> None:
+        """Reserve the pages of a session of `frames` frames in `slot`; `CapacityError` when they are not free."""
+        if slot in self._owned:
+            raise ValueError(f"slot {slot} already holds pages")
+        need = self.pages_needed(frames)
+        if need > len(self._free):
+            raise CapacityError(
+                f"not enough KV cache: a session needs {need} pages of {self.page_size} frames, "
+                f"{len(self._free)} of {self.num_pages} are free"
+            )
+        pages = [self._free.pop() for _ in range(need)]
+        self._owned[slot] = pages
+        row = torch.full((self.max_pages,), self.scratch, dtype=torch.int32)
+        row[:need] = torch.tensor(pages, dtype=torch.int32)
+        self.tables[slot].copy_(row)
+
+    def free(self, slot: int) -> None:
+        """Give `slot`'s pages back; its row points at scratch again. Idempotent."""
+        pages = self._owned.pop(slot, None)
+        if pages is None:
+            return
+        self.tables[slot].fill_(self.scratch)
+        self._free.extend(reversed(pages))
+
+    # ---------------------------------------------------------------------------------------- device side
+
+    def batch(self, slots: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
+        """The view for rows `slots` [B] at `positions` [B] (device tensors; no host synchronisation)."""
+        table = self.tables[slots]
+        ring = ((positions // self.page_size) % self.max_pages)[:, None]
+        write_page = table.gather(1, ring)[:, 0].long()
+        return PagedBatch(table, (positions + 1).to(torch.int32), write_page, positions % self.page_size)
+
+    def attend(self, layer: int, view: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k, v [B, H, D] and attend q [B, H, D] to each row's window."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys[view.write_page, view.write_offset] = k
+        values[view.write_page, view.write_offset] = v
+        return decode_attention(q, keys, values, view.block_table, view.lengths, self.context)

@@ -1,0 +1,317 @@
+"""The batched engine: slots, admission, and the loop thread that steps every waiting session as one batch.
+
+`max_sessions` slots are fixed at start and every per-session tensor (Mimi streams, token ring, position,
+sampling parameters) is indexed by slot, so joining and leaving never reallocate. Admission needs a free slot and
+the KV pages of a whole window (`engine.kv_cache`); otherwise `open_session` raises `CapacityError` at once.
+
+The loop (one thread per device) waits until some session has a frame, takes one frame from each such session,
+and runs Mimi encode → temporal step → DepFormer → Mimi decode for all of them in one batch; a session without
+input is not in the batch and does not advance. Slot resets and releases happen on the loop thread between two
+steps, so a session closed from another thread mid-step is simply dropped from the outputs of that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import ConfigError, SamplingParams
+from .errors import CapacityError
+from .graphs import BucketedCall, default_buckets
+from .kv_cache import PagedKVCache, window_pages
+from .models.lm import LMModel
+from .models.mimi import MimiModel
+from .pipeline import Pipeline
+from .session import Session, SessionOutput
+from .tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "Session", "SessionOutput", "StepRecord"]
+
+GiB = 2**30
+CUDA_HEADROOM = 4 * GiB  # left free beside the KV pool for activations, graphs and Mimi when sizing from memory
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_sessions: int = 8
+    kv_memory: int | None = None  # bytes for the KV pool; None: a whole window per slot (CPU) or free memory (CUDA)
+    page_size: int = 64  # frames per KV page
+    max_session_frames: int | None = None  # cap on every session's length; shorter sessions reserve fewer pages
+    max_pending_frames: int = 25  # inbox bound per session (2 s of audio)
+    max_output_frames: int = 250  # outbox bound per session (20 s); the oldest frame is dropped beyond it
+    device: str = "cpu"
+    cuda_graphs: bool = True
+    pad_batches: bool = False  # pad to buckets without graphs (to run the graph path's padding on CPU)
+    buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ..., max_sessions
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise ConfigError("max_sessions must be >= 1")
+        if self.max_session_frames is not None and self.max_session_frames < 1:
+            raise ConfigError("max_session_frames must be >= 1")
+        if self.max_pending_frames < 1 or self.max_output_frames < 1:
+            raise ConfigError("max_pending_frames and max_output_frames must be >= 1")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    batch_size: int
+    bucket: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    max_sessions: int
+    active_sessions: int
+    admissible_sessions: int  # how many more full-length sessions could open right now
+    kv_pages_total: int
+    kv_pages_used: int
+    steps: int
+    frames_in: int
+    frames_out: int
+    refused: int
+    device: str
+
+
+def pool_pages(lm: LMModel, config: EngineConfig, per_session: int) -> int:
+    """Pages in the KV pool: from `kv_memory`, else from free CUDA memory, else one window per slot."""
+    cfg = lm.cfg
+    page = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, config.page_size, lm.text_emb.dtype)
+    wanted = config.max_sessions * per_session
+    if config.kv_memory is not None:
+        pages = config.kv_memory // page
+    elif torch.device(config.device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        pages = min(wanted, max(free - CUDA_HEADROOM, 0) * 9 // 10 // page)
+    else:
+        pages = wanted
+    if pages < per_session:
+        raise ConfigError(
+            f"the KV cache memory ({pages * page / GiB:.2f} GiB) cannot hold one session "
+            f"({per_session * page / GiB:.2f} GiB); give more --kv-memory or shorten the session length"
+        )
+    return pages
+
+
+class Engine:
+    def __init__(self, lm: LMModel, mimi: MimiModel, tokenizer: TextTokenizer | None = None,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.lm, self.mimi, self.tokenizer = lm, mimi, tokenizer
+        self.device = torch.device(config.device)
+        self.sample_rate, self.frame_size = mimi.cfg.sample_rate, mimi.cfg.frame_size
+        cfg = lm.cfg
+        page_size = config.page_size
+        per_session = window_pages(cfg.context, page_size, config.max_session_frames)
+        kv = lm.new_kv_cache(config.max_sessions, pool_pages(lm, config, per_session), page_size)
+        self.kv = kv
+        self.pipeline = Pipeline(lm, mimi, config.max_sessions, kv)
+        page_gib = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, page_size,
+                                           lm.text_emb.dtype) / GiB
+        logger.info(
+            "KV cache: %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",
+            kv.num_pages, page_size, kv.num_pages * page_gib, kv.sessions_fit(config.max_session_frames),
+            config.max_sessions,
+        )
+        self._graphs = config.cuda_graphs and self.device.type == "cuda"
+        buckets = config.buckets or default_buckets(config.max_sessions)
+        if max(buckets) < config.max_sessions:
+            raise ConfigError(f"the largest bucket {max(buckets)} is below max_sessions {config.max_sessions}")
+        gen = self.pipeline.lm_gen
+        pad_temporal, pad_depformer = gen.padding_rows()
+        pad = self._graphs or config.pad_batches
+        self._temporal = BucketedCall(gen.temporal, pad_temporal, buckets, graphs=self._graphs, pad=pad)
+        self._depformer = BucketedCall(gen.depformer, pad_depformer, buckets, graphs=self._graphs, pad=pad)
+        gen.run_temporal, gen.run_depformer = self._temporal, self._depformer
+        self._silent = {cfg.text_padding_token_id, cfg.end_of_text_padding_id}
+
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._free_slots = list(range(config.max_sessions - 1, -1, -1))
+        self._sessions: dict[int, Session] = {}  # slot -> session holding it (until released)
+        self._ended: list[Session] = []  # closed sessions whose slot the loop has not released yet
+        self._fresh: list[Session] = []  # admitted sessions whose slot the loop has not reset yet
+        self._listeners: list[Callable[[StepRecord], None]] = []
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.ready = False
+        self._steps = self._frames_in = self._frames_out = self._refused = 0
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Warm up (a throw-away step, then CUDA graph capture) and start the loop thread. Blocking."""
+        if self._thread is not None:
+            return
+        with torch.no_grad():
+            self._warm_up()
+            if self._graphs:
+                pool = torch.cuda.graph_pool_handle()
+                self._temporal.capture("capturing temporal step", pool)
+                self._depformer.capture("capturing depformer", pool)
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=f"duplexd-engine-{self.device}", daemon=True)
+        self._thread.start()
+        self.ready = True
+        logger.info("engine ready on %s (%d slots)", self.device, self.config.max_sessions)
+
+    def _warm_up(self) -> None:
+        slot = self._free_slots[-1]
+        self.kv.allocate(slot, 2)
+        slots = torch.tensor([slot], device=self.device)
+        try:
+            for _ in range(2):
+                self.pipeline.step(slots, torch.zeros(1, self.frame_size, device=self.device))
+        finally:
+            self.kv.free(slot)
+
+    def stop(self) -> None:
+        """End every session ("engine_stopped") and stop the loop thread."""
+        with self._lock:
+            self._running = False
+            self.ready = False
+            for session in list(self._sessions.values()):
+                if not session.closed:
+                    session._end("engine_stopped")
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._release_ended()
+
+    def on_step(self, callback: Callable[[StepRecord], None]) -> None:
+        """Call `callback(StepRecord)` on the loop thread after every step."""
+        self._listeners.append(callback)
+
+    # ------------------------------------------------------------------------------------------- sessions
+
+    def open_session(self, params: SamplingParams | None = None, max_frames: int | None = None) -> Session:
+        """Admit a conversation, or raise `CapacityError` saying why. Non-blocking; safe on an event loop."""
+        params = params or SamplingParams()
+        cap = self.config.max_session_frames
+        if max_frames is not None and max_frames < 1:
+            raise ValueError("max_frames must be >= 1")
+        frames = max_frames if cap is None else min(cap, max_frames or cap)
+        with self._lock:
+            if not self._running:
+                raise CapacityError("the engine is not running")
+            if not self._free_slots:
+                self._refused += 1
+                raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
+            slot = self._free_slots[-1]
+            try:
+                self.kv.allocate(slot, frames)
+            except CapacityError:
+                self._refused += 1
+                raise
+            self._free_slots.pop()
+            session = Session(self, slot, params, frames)
+            self._sessions[slot] = session
+            self._fresh.append(session)
+        logger.debug("session %s admitted in slot %d", session.id, slot)
+        return session
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            active = sum(not s.closed for s in self._sessions.values())
+            fit = self.kv.sessions_fit(self.config.max_session_frames)
+            return EngineStats(
+                self.config.max_sessions, active, min(len(self._free_slots), fit), self.kv.num_pages,
+                self.kv.pages_used, self._steps, self._frames_in, self._frames_out, self._refused, str(self.device),
+            )
+
+    # ------------------------------------------------------------------------------------------- the loop
+
+    def _release_ended(self) -> None:
+        """Give the slots and pages of ended sessions back (loop thread, between steps)."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+            for session in ended:
+                if session.released:
+                    continue
+                self.kv.free(session.slot)
+                del self._sessions[session.slot]
+                self._free_slots.append(session.slot)
+                session.released = True
+                if session in self._fresh:
+                    self._fresh.remove(session)
+
+    def _gather(self) -> tuple[list[Session], list[np.ndarray], list[Session]] | None:
+        """Wait for work; return (sessions to reset, then the batch: sessions and one frame each)."""
+        with self._lock:
+            while self._running and not self._ended and not self._fresh and not any(
+                s._inbox for s in self._sessions.values() if not s.closed
+            ):
+                self._work.wait()
+            if not self._running:
+                return None
+            fresh, self._fresh = self._fresh, []
+            batch, frames = [], []
+            for session in self._sessions.values():
+                frame = session._take_frame()
+                if frame is not None:
+                    batch.append(session)
+                    frames.append(frame)
+            return fresh, frames, batch
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        while True:
+            self._release_ended()
+            work = self._gather()
+            if work is None:
+                return
+            fresh, frames, batch = work
+            for session in fresh:
+                self.pipeline.reset(session.slot, session.params)
+            if batch:
+                self._step(batch, frames)
+
+    def _step(self, batch: list[Session], frames: list[np.ndarray]) -> None:
+        started = time.perf_counter()
+        try:
+            slots = torch.tensor([s.slot for s in batch], device=self.device)
+            pcm = torch.from_numpy(np.stack(frames)).to(self.device)
+            out = self.pipeline.step(slots, pcm)
+            speech = out.pcm.float().cpu().numpy()
+            tokens = out.tokens[:, 0].tolist()
+            valid = out.valid.tolist()
+        except Exception:
+            logger.exception("step of %d sessions failed; ending them", len(batch))
+            with self._lock:
+                for session in batch:
+                    if not session.closed:
+                        session._end("engine_error")
+            return
+        seconds = time.perf_counter() - started
+        with self._lock:
+            self._steps += 1
+            self._frames_in += len(batch)
+            for row, session in enumerate(batch):
+                session.steps += 1
+                if valid[row] and not session.closed:
+                    self._frames_out += 1
+                    token = tokens[row]
+                    session._deliver(SessionOutput(session.frames_out, speech[row], token, self._text(token)))
+                if session.max_frames is not None and session.steps >= session.max_frames and not session.closed:
+                    session._end("max_frames")
+        record = StepRecord(len(batch), self._temporal.bucket(len(batch)), seconds)
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:
+                logger.exception("step listener failed")
+
+    def _text(self, token: int) -> str:
+        if token in self._silent or self.tokenizer is None:
+            return ""
+        return self.tokenizer.piece(token)
