@@ -283,7 +283,7 @@ class Engine:
             pcm = torch.from_numpy(np.stack(frames)).to(self.device)
             out = self.pipeline.step(slots, pcm)
             speech = out.pcm.float().cpu().numpy()
-            tokens = out.tokens[:, 0].tolist()
+            tokens = out.tokens.tolist()
             valid = out.valid.tolist()
         except Exception:
             logger.exception("step of %d sessions failed; ending them", len(batch))
@@ -300,8 +300,9 @@ class Engine:
                 session.steps += 1
                 if valid[row] and not session.closed:
                     self._frames_out += 1
-                    token = tokens[row]
-                    session._deliver(SessionOutput(session.frames_out, speech[row], token, self._text(token)))
+                    text, *audio = tokens[row]
+                    session._deliver(SessionOutput(session.frames_out, speech[row], text, self._text(text),
+                                                   tuple(audio)))
                 if session.max_frames is not None and session.steps >= session.max_frames and not session.closed:
                     session._end("max_frames")
         record = StepRecord(len(batch), self._temporal.bucket(len(batch)), seconds)

@@ -30,6 +30,7 @@ class SessionOutput:
     pcm: np.ndarray  # float32 [frame_size]: the model's speech for this frame
     text_token: int
     text: str  # "" for padding tokens, else the token's text with "▁" as a space (what the reference sends)
+    audio_tokens: tuple[int, ...] = ()  # the model's audio codes for this frame (dep_q of them)
 
 
 class Session:
