@@ -8,6 +8,12 @@ The loop (one thread per device) waits until some session has a frame, takes one
 and runs Mimi encode → temporal step → DepFormer → Mimi decode for all of them in one batch; a session without
 input is not in the batch and does not advance. Slot resets and releases happen on the loop thread between two
 steps, so a session closed from another thread mid-step is simply dropped from the outputs of that step.
+
+All of the engine's torch work (warm-up, graph capture, steps) runs on the loop thread with `threads` intra-op
+threads. On CPU, keep other long-lived threads that use torch at one intra-op thread (`torch.set_num_threads(1)`
+before their first op): each thread has its own OpenMP pool, and once the pools hold more threads than there
+are cores, libgomp stops spin-waiting and every parallel region sleeps and wakes its workers, which made the
+engine's steps 1.5-2x slower here (docs/BENCHMARKS.md). Threads that have exited release their pools.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     pad_batches: bool = False  # pad to buckets without graphs (to run the graph path's padding on CPU)
     buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ..., max_sessions
+    threads: int | None = None  # intra-op threads of the loop thread; default: torch's count when built
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -142,6 +149,9 @@ class Engine:
         self._fresh: list[Session] = []  # admitted sessions whose slot the loop has not reset yet
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._thread: threading.Thread | None = None
+        self._threads = config.threads or torch.get_num_threads()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
         self._running = False
         self.ready = False
         self._steps = self._frames_in = self._frames_out = self._refused = 0
@@ -149,30 +159,51 @@ class Engine:
     # ------------------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Warm up (a throw-away step, then CUDA graph capture) and start the loop thread. Blocking."""
+        """Start the loop thread and wait until it is warm (a throw-away step, then CUDA graph capture)."""
         if self._thread is not None:
             return
-        with torch.no_grad():
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name=f"duplexd-engine-{self.device}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            self._thread, self._running = None, False
+            raise self._start_error
+        self.ready = True
+        logger.info("engine ready on %s (%d slots, %d threads)", self.device, self.config.max_sessions,
+                    self._threads)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        try:
             self._warm_up()
             if self._graphs:
                 pool = torch.cuda.graph_pool_handle()
                 self._temporal.capture("capturing temporal step", pool)
                 self._depformer.capture("capturing depformer", pool)
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name=f"duplexd-engine-{self.device}", daemon=True)
-        self._thread.start()
-        self.ready = True
-        logger.info("engine ready on %s (%d slots)", self.device, self.config.max_sessions)
+        except BaseException as e:  # noqa: BLE001 - handed to start()
+            self._start_error = e
+            return
+        finally:
+            self._started.set()
+        self._loop()
 
     def _warm_up(self) -> None:
-        slot = self._free_slots[-1]
-        self.kv.allocate(slot, 2)
-        slots = torch.tensor([slot], device=self.device)
-        try:
-            for _ in range(2):
-                self.pipeline.step(slots, torch.zeros(1, self.frame_size, device=self.device))
-        finally:
-            self.kv.free(slot)
+        """Two throw-away steps (the second decodes) at every bucket size, so first-use costs (kernel selection,
+        packed weights, allocator growth) are paid before the first session rather than in its first frames."""
+        for bucket in self._temporal.buckets:
+            slots = self._free_slots[::-1][: min(bucket, self.kv.pages_free)]
+            for slot in slots:
+                self.kv.allocate(slot, 2)
+            try:
+                for _ in range(2):
+                    self.pipeline.step(torch.tensor(slots, device=self.device),
+                                       torch.zeros(len(slots), self.frame_size, device=self.device))
+            finally:
+                for slot in slots:
+                    self.kv.free(slot)
 
     def stop(self) -> None:
         """End every session ("engine_stopped") and stop the loop thread."""
@@ -264,7 +295,6 @@ class Engine:
             return fresh, frames, batch
 
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)  # grad mode is per thread
         while True:
             self._release_ended()
             work = self._gather()

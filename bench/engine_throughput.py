@@ -1,0 +1,134 @@
+"""Session-frames per second of the batched engine against the reference serving sessions one after another.
+
+Usage: python bench/engine_throughput.py [--frames 40] [--warmup 5] [--threads 2] [--sessions 1,2,4,8]
+Same random weights on both sides (LM d 512 x 6 layers, DepFormer d 256 x 2, demo Mimi), CPU fp32. One
+session-frame is Mimi encode → temporal step → DepFormer → Mimi decode of one 80 ms frame. duplexd: N sessions
+open at once in one `Engine`, each given all its frames, stepped as one batch by the engine thread. Reference:
+the `moshi` package's Mimi and LMGen at batch 1, the N sessions one after another (its server holds one
+conversation at a time). Prints a table and, as its last line, one JSON object.
+
+The main thread stays at one intra-op thread and the reference runs on a short-lived thread with `--threads`
+(see `engine.scheduler` on OpenMP pools per thread), so each side gets the machine's cores as it would alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("NO_TORCH_COMPILE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
+
+from bench.common import through_checkpoint  # noqa: E402
+from duplexd.engine.checkpoint import load_lm, load_mimi  # noqa: E402
+from duplexd.engine.config import DEMO_MIMI, LMConfig, SamplingParams  # noqa: E402
+from duplexd.engine.scheduler import Engine, EngineConfig  # noqa: E402
+from tests.ref_models import reference_lm, reference_mimi  # noqa: E402
+
+CONFIG = LMConfig(dim=512, num_heads=8, num_layers=6, depformer_dim=256,
+                  depformer_dim_feedforward=int(4.125 * 256), depformer_num_heads=4, depformer_num_layers=2)
+PARAMS = SamplingParams()  # the reference defaults: text 0.7 / 25, audio 0.8 / 250
+FS = DEMO_MIMI.frame_size
+
+
+def _audio(frames: int, seed: int) -> np.ndarray:
+    t = np.arange(frames * FS) / 24000
+    noise = np.random.default_rng(seed).standard_normal(len(t))
+    return (0.2 * np.sin(2 * np.pi * (140 + 10 * seed) * t) + 0.02 * noise).astype(np.float32)
+
+
+def duplexd_fps(engine: Engine, sessions: int, frames: int) -> float:
+    audio = [_audio(frames, s) for s in range(sessions)]
+    started = time.perf_counter()
+    opened = [engine.open_session(SamplingParams(seed=s)) for s in range(sessions)]
+    for session, pcm in zip(opened, audio, strict=True):
+        if session.push(pcm):
+            raise RuntimeError("frames were dropped: raise max_pending_frames")
+    for session in opened:
+        for _ in range(frames - 1):  # the first frame has no output
+            session.get(timeout=600)
+    elapsed = time.perf_counter() - started
+    for session in opened:
+        session.close()
+    return sessions * frames / elapsed
+
+
+@torch.no_grad()
+def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int) -> float:
+    started = time.perf_counter()
+    for s in range(sessions):
+        pcm = torch.from_numpy(_audio(frames, s))
+        gen = RefLMGen(ref_lm, temp=PARAMS.audio_temperature, top_k=PARAMS.audio_topk,
+                       temp_text=PARAMS.text_temperature, top_k_text=PARAMS.text_topk)
+        with gen.streaming(1), ref_mimi.streaming(1):
+            for f in range(frames):
+                codes = ref_mimi.encode(pcm[None, None, f * FS:(f + 1) * FS])
+                tokens = gen.step(codes[:, :CONFIG.num_user_codebooks])
+                if tokens is not None:
+                    ref_mimi.decode(tokens[:, 1:])
+    return sessions * frames / (time.perf_counter() - started)
+
+
+def on_own_thread(fn, *args, threads: int):
+    """Run `fn(*args)` on a fresh thread with `threads` intra-op threads; its OpenMP pool goes with it."""
+    result = []
+
+    def body() -> None:
+        torch.set_num_threads(threads)
+        result.append(fn(*args))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=40, help="frames per session")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up frames per side before timing")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sessions", default="1,2,4,8")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    counts = [int(n) for n in args.sessions.split(",")]
+
+    ref_lm = reference_lm(CONFIG, seed=0)
+    ref_mimi = reference_mimi(seed=0, mimi_config=DEMO_MIMI.to_reference_dict())
+    lm = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, CONFIG))
+    mimi = through_checkpoint(ref_mimi.state_dict(), lambda path: load_mimi(path, DEMO_MIMI))
+    engine = Engine(lm, mimi, config=EngineConfig(max_sessions=max(counts), threads=args.threads,
+                                                    max_pending_frames=args.frames))
+    engine.start()
+    on_own_thread(reference_fps, ref_lm, ref_mimi, 1, args.warmup, threads=args.threads)
+    duplexd_fps(engine, 1, args.warmup)
+
+    print(f"engine throughput, CPU fp32, {args.threads} threads, {args.frames} frames per session; LM "
+          f"{CONFIG.dim} x {CONFIG.num_layers}, DepFormer {CONFIG.depformer_dim} x {CONFIG.depformer_num_layers}, "
+          f"demo Mimi")
+    # Sequential, so the rate does not depend on N.
+    ref = on_own_thread(reference_fps, ref_lm, ref_mimi, 2, args.frames, threads=args.threads)
+    print(f"{'sessions':>8} {'duplexd fps':>12} {'reference fps':>14} {'ratio':>7}")
+    result: dict[str, object] = {"bench": "engine_throughput"}
+    for n in counts:
+        fps = duplexd_fps(engine, n, args.frames)
+        print(f"{n:>8} {fps:>12.1f} {ref:>14.1f} {fps / ref:>7.2f}")
+        result[f"duplexd_fps_b{n}"] = round(fps, 1)
+    engine.stop()
+    result["reference_fps"] = round(ref, 1)
+    top = max(counts)
+    result[f"ratio_b{top}"] = round(result[f"duplexd_fps_b{top}"] / ref, 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
