@@ -6,8 +6,9 @@ the KV pages of a whole window (`engine.kv_cache`); otherwise `open_session` rai
 
 The loop (one thread per device) waits until some session has a frame, takes one frame from each such session,
 and runs Mimi encode → temporal step → DepFormer → Mimi decode for all of them in one batch; a session without
-input is not in the batch and does not advance. Slot resets and releases happen on the loop thread between two
-steps, so a session closed from another thread mid-step is simply dropped from the outputs of that step.
+input is not in the batch and does not advance. Slot resets happen on the loop thread before a session's first step; a
+closed session's slot and pages come back at once, or after the step when it is in one, so a session closed
+from another thread mid-step is simply dropped from the outputs of that step.
 
 All of the engine's torch work (warm-up, graph capture, steps) runs on the loop thread with `threads` intra-op
 threads. On CPU, keep other long-lived threads that use torch at one intra-op thread (`torch.set_num_threads(1)`
@@ -147,6 +148,7 @@ class Engine:
         self._sessions: dict[int, Session] = {}  # slot -> session holding it (until released)
         self._ended: list[Session] = []  # closed sessions whose slot the loop has not released yet
         self._fresh: list[Session] = []  # admitted sessions whose slot the loop has not reset yet
+        self._in_flight: set[Session] = set()  # sessions the loop is resetting or stepping now
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._thread: threading.Thread | None = None
         self._threads = config.threads or torch.get_num_threads()
@@ -219,9 +221,10 @@ class Engine:
             self._thread = None
         self._release_ended()
 
-    def on_step(self, callback: Callable[[StepRecord], None]) -> None:
-        """Call `callback(StepRecord)` on the loop thread after every step."""
+    def on_step(self, callback: Callable[[StepRecord], None]) -> Callable[[], None]:
+        """Call `callback(StepRecord)` on the loop thread after every step; returns a function that stops it."""
         self._listeners.append(callback)
+        return lambda: self._listeners.remove(callback)
 
     # ------------------------------------------------------------------------------------------- sessions
 
@@ -235,6 +238,7 @@ class Engine:
         with self._lock:
             if not self._running:
                 raise CapacityError("the engine is not running")
+            self._release_locked()  # sessions closed a moment ago count as free unless mid-step
             if not self._free_slots:
                 self._refused += 1
                 raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
@@ -253,6 +257,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
+            self._release_locked()
             active = sum(not s.closed for s in self._sessions.values())
             fit = self.kv.sessions_fit(self.config.max_session_frames)
             return EngineStats(
@@ -263,18 +268,25 @@ class Engine:
     # ------------------------------------------------------------------------------------------- the loop
 
     def _release_ended(self) -> None:
-        """Give the slots and pages of ended sessions back (loop thread, between steps)."""
         with self._lock:
-            ended, self._ended = self._ended, []
-            for session in ended:
-                if session.released:
-                    continue
-                self.kv.free(session.slot)
-                del self._sessions[session.slot]
-                self._free_slots.append(session.slot)
-                session.released = True
-                if session in self._fresh:
-                    self._fresh.remove(session)
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        """Give the slots and pages of ended sessions back, except those the loop is resetting or stepping."""
+        keep = []
+        for session in self._ended:
+            if session in self._in_flight:
+                keep.append(session)
+                continue
+            if session.released:
+                continue
+            self.kv.free(session.slot)
+            del self._sessions[session.slot]
+            self._free_slots.append(session.slot)
+            session.released = True
+            if session in self._fresh:
+                self._fresh.remove(session)
+        self._ended = keep
 
     def _gather(self) -> tuple[list[Session], list[np.ndarray], list[Session]] | None:
         """Wait for work; return (sessions to reset, then the batch: sessions and one frame each)."""
@@ -292,6 +304,7 @@ class Engine:
                 if frame is not None:
                     batch.append(session)
                     frames.append(frame)
+            self._in_flight = {*fresh, *batch}
             return fresh, frames, batch
 
     def _loop(self) -> None:
@@ -305,6 +318,8 @@ class Engine:
                 self.pipeline.reset(session.slot, session.params)
             if batch:
                 self._step(batch, frames)
+            with self._lock:
+                self._in_flight = set()
 
     def _step(self, batch: list[Session], frames: list[np.ndarray]) -> None:
         started = time.perf_counter()

@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from duplexd.kernels.decode_attention import decode_attention, decode_attention_reference, decode_attention_triton
+from duplexd.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_reference,
+    decode_attention_torch,
+    decode_attention_triton,
+)
 from duplexd.kernels.dispatch import force_triton
 from duplexd.kernels.testing import poisoned_allocations
 
@@ -81,3 +86,20 @@ def test_default_split_and_strided_pool_views():
     with force_triton():
         torch.testing.assert_close(decode_attention(q, k_pages, v_pages, table, lengths, 30), out)
     torch.testing.assert_close(decode_attention(q, k_pages, v_pages, table, lengths, 30), want.float())
+
+
+@pytest.mark.parametrize("window", [1, 11, 12, 15, 1000])
+def test_cpu_path_matches_the_definition(window):
+    """The CPU path (whole-page gather + SDPA): ragged rows, an empty row, rows that wrapped their ring of
+    pages, windows shorter than, equal to and longer than the ring; twice, as its gather buffer is reused."""
+    q, k_pages, v_pages, table = _case(seed=window, batch=5, heads=2, head_dim=7, max_pages=3, num_pages=16)
+    for lengths in (torch.tensor([40, 0, 13, 2, 15]), torch.tensor([3, 1, 1, 16, 5])):
+        out = decode_attention_torch(q, k_pages, v_pages, table, lengths, window)
+        want = _naive(q, k_pages, v_pages, table, lengths, min(window, 15))
+        assert (out.double() - want).abs().max() <= 1e-5, lengths
+    q, ring_k = torch.randn(2, 3, 7), torch.randn(4, 3, 30, 7)
+    strided = ring_k.transpose(1, 2)  # a pool given as a strided view
+    lengths, table = torch.tensor([75, 9]), torch.tensor([[3], [1]], dtype=torch.int32)
+    out = decode_attention_torch(q, strided, strided, table, lengths, 30)
+    want = _naive(q, strided, strided, table, lengths, 30)
+    assert (out.double() - want).abs().max() <= 1e-5
