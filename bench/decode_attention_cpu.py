@@ -1,0 +1,59 @@
+"""CPU paged decode attention: the per-position-gather reference against the whole-page-gather + SDPA path.
+
+Usage: python bench/decode_attention_cpu.py [--reps 10] [--threads 2]
+Rows at position 2999 of a 3000-frame window in pages of 64 frames handed out in random order (the engine's
+pool). Prints a table and, as its last line, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from duplexd.kernels.decode_attention import decode_attention_reference, decode_attention_torch  # noqa: E402
+
+SHAPES = [(1, 8, 64), (8, 4, 32), (8, 8, 64)]  # (rows, heads, head dim)
+CONTEXT, PAGE = 3000, 64
+
+
+def _ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    started = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return 1000 * (time.perf_counter() - started) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{'rows':>4} {'heads':>5} {'dim':>4} {'reference ms':>13} {'torch path ms':>14} {'ratio':>6}")
+    result: dict[str, object] = {"bench": "decode_attention_cpu"}
+    for rows, heads, dim in SHAPES:
+        pages = rows * -(-CONTEXT // PAGE)
+        g = torch.Generator().manual_seed(rows * heads)
+        k, v = (torch.randn(pages + 1, PAGE, heads, dim, generator=g) for _ in range(2))
+        table = torch.randperm(pages, generator=g).view(rows, -1).to(torch.int32)
+        lengths, q = torch.full((rows,), CONTEXT, dtype=torch.int32), torch.randn(rows, heads, dim, generator=g)
+        ref = _ms(lambda: decode_attention_reference(q, k, v, table, lengths, CONTEXT), args.reps)
+        fast = _ms(lambda: decode_attention_torch(q, k, v, table, lengths, CONTEXT), args.reps)
+        torch.testing.assert_close(decode_attention_torch(q, k, v, table, lengths, CONTEXT),
+                                   decode_attention_reference(q, k, v, table, lengths, CONTEXT))
+        print(f"{rows:>4} {heads:>5} {dim:>4} {ref:>13.2f} {fast:>14.2f} {fast / ref:>6.3f}")
+        result[f"ratio_b{rows}_h{heads}_d{dim}"] = round(fast / ref, 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
