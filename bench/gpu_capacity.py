@@ -103,6 +103,8 @@ def main() -> None:
         print("no CUDA device: nothing to measure (try --preset demo --device cpu for a dry run)")
         return
 
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(1)  # CPU dry run: torch work beside the engine's loop thread stays single-threaded
     started = time.perf_counter()
     lm, mimi = random_models(args.preset, args.device)
     engine = Engine(lm, mimi, config=EngineConfig(

@@ -20,6 +20,7 @@ engine's steps 1.5-2x slower here (docs/BENCHMARKS.md). Threads that have exited
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +59,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     pad_batches: bool = False  # pad to buckets without graphs (to run the graph path's padding on CPU)
     buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ..., max_sessions
-    threads: int | None = None  # intra-op threads of the loop thread; default: torch's count when built
+    threads: int | None = None  # intra-op threads of the loop thread; default: the usable cores
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -151,7 +152,13 @@ class Engine:
         self._in_flight: set[Session] = set()  # sessions the loop is resetting or stepping now
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._thread: threading.Thread | None = None
-        self._threads = config.threads or torch.get_num_threads()
+        self._threads = config.threads or len(os.sched_getaffinity(0))
+        if self.device.type == "cpu" and torch.get_num_threads() > 1:
+            logger.warning(
+                "this thread uses %d intra-op threads beside the engine's loop thread; on CPU call "
+                "torch.set_num_threads(1) before loading models, or the engine's steps slow down (module docs)",
+                torch.get_num_threads(),
+            )
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._running = False
@@ -317,9 +324,10 @@ class Engine:
             for session in fresh:
                 self.pipeline.reset(session.slot, session.params)
             if batch:
-                self._step(batch, frames)
-            with self._lock:
-                self._in_flight = set()
+                self._step(batch, frames)  # ends the in-flight set as it hands out the outputs
+            else:
+                with self._lock:
+                    self._in_flight = set()
 
     def _step(self, batch: list[Session], frames: list[np.ndarray]) -> None:
         started = time.perf_counter()
@@ -333,6 +341,7 @@ class Engine:
         except Exception:
             logger.exception("step of %d sessions failed; ending them", len(batch))
             with self._lock:
+                self._in_flight = set()
                 for session in batch:
                     if not session.closed:
                         session._end("engine_error")
@@ -350,6 +359,7 @@ class Engine:
                                                    tuple(audio)))
                 if session.max_frames is not None and session.steps >= session.max_frames and not session.closed:
                     session._end("max_frames")
+            self._in_flight = set()  # before the lock goes: a receiver may close and reopen at once
         record = StepRecord(len(batch), self._temporal.bucket(len(batch)), seconds)
         for listener in self._listeners:
             try:

@@ -132,6 +132,19 @@ def test_capacity_plus_one_is_refused(models):
         sessions[0].push(np.zeros(FRAME, np.float32))
 
 
+def test_a_closed_session_frees_its_slot_at_once(models):
+    """A client that closes and reconnects right away is admitted, even on a full server, mid-conversation."""
+    engine = _engine(models, max_sessions=1)
+    try:
+        for _ in range(20):
+            session = engine.open_session()
+            session.push(np.zeros(2 * FRAME, np.float32))
+            assert session.get(timeout=30) is not None
+            session.close()
+    finally:
+        engine.stop()
+
+
 def test_open_push_close_500_times_leaves_nothing_behind(models):
     """500 sessions from 4 threads with random lifetimes, some closed by another thread while their frame is in
     a step: every slot and page comes back, and sessions still running meanwhile get all their outputs."""
