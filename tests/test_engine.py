@@ -85,6 +85,8 @@ def test_sessions_in_one_batch_match_each_session_alone(models, pad):
                     sessions[s].close()
     finally:
         engine.stop()
+    scratch = engine.kv.keys[:, engine.kv.scratch].abs().sum()
+    assert (scratch > 0) == pad, "padding rows (and only they) write to the scratch page"
     for s, (params, _, n) in plan.items():
         alone = _run_alone(models, params, audio[s])
         together = outs[s]
