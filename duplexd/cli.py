@@ -16,6 +16,7 @@ from duplexd.engine.demo import ensure_demo
 from duplexd.engine.errors import CheckpointError
 from duplexd.engine.lm_gen import LMGen
 from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.server import cli as serve
 
 logger = logging.getLogger("duplexd")
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     infer.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 

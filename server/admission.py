@@ -1,0 +1,58 @@
+"""The steps every WebSocket goes through before its session starts: access, parameters, a slot.
+
+The upgrade is accepted first so that every refusal reaches the client as a protocol error message plus a close
+code (1008 access, 1007 bad parameters, 1013 no capacity), never as a silent HTTP 403 or a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from duplexd.engine.config import ConfigError, SamplingParams
+from duplexd.engine.errors import CapacityError
+
+from .access import access_denied
+from .closing import Close, CloseCode
+from .context import ServerContext
+from .pump import Adapter, Pump, close_connection
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(ctx: ServerContext, adapter: Adapter, subprotocol: str | None,
+                parameters: Callable[[], tuple[SamplingParams, int | None]],
+                admitted: Callable[[Pump], Awaitable[None]]) -> None:
+    """Accept, admit and pump one connection; `admitted` sends the protocol's greeting (handshake, session)."""
+    ws, metrics = adapter.ws, ctx.metrics
+    await ws.accept(subprotocol=subprotocol)
+    try:
+        denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)
+        if denied:
+            metrics.refused.labels(denied[0]).inc()
+            raise Close(CloseCode.POLICY_VIOLATION, *denied)
+        try:
+            params, max_frames = parameters()
+        except ConfigError as e:
+            metrics.refused.labels("invalid_parameter").inc()
+            raise Close(CloseCode.INVALID_PAYLOAD, "invalid_parameter", str(e)) from None
+        try:
+            session = ctx.runtime.open_session(params, max_frames)
+        except CapacityError as e:
+            metrics.refused.labels("capacity").inc()
+            logger.info("%s session refused: %s", adapter.name, e)
+            raise Close(CloseCode.TRY_AGAIN_LATER, "capacity", f"server at capacity: {e}") from None
+    except Close as close:
+        await close_connection(adapter, close, ctx.settings.send_timeout)
+        return
+    metrics.sessions.labels(adapter.name).inc()
+    logger.info("%s session %s admitted (slot %d, seed %d)", adapter.name, session.id, session.slot, params.seed)
+    pump = Pump(adapter, session, ctx.limits, metrics, ctx.runtime.info.frame_size)
+    try:
+        await admitted(pump)
+    except Exception:  # noqa: BLE001 - the client went away during the greeting
+        pump.session.close("client")
+        metrics.closed.labels("client").inc()
+        return
+    end = await pump.run()
+    logger.info("%s session %s ended: %s", adapter.name, pump.session.id, end.error if isinstance(end, Close) else end)

@@ -1,0 +1,54 @@
+"""The FastAPI app factory. Models are loaded before (by the caller); the engines warm up in the background
+after the port is bound, so `/health` answers at once and `/ready` turns 200 only when they are warm."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from . import kyutai, realtime, routes
+from .context import ServerContext
+from .metrics import Metrics
+from .runtime import Runtime
+from .settings import ServerSettings
+from .version import VERSION
+
+logger = logging.getLogger(__name__)
+
+
+async def _warm_up(runtime: Runtime) -> None:
+    try:
+        await asyncio.to_thread(runtime.start)
+    except Exception as e:  # noqa: BLE001 - reported by /health, the process stays up for the probe to see it
+        runtime.failed = f"engine warm-up failed: {e}"
+        logger.exception("engine warm-up failed; /health reports 503")
+        return
+    logger.info("ready: accepting sessions (%d slots)", runtime.capacity())
+
+
+def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
+    """An app serving `runtime` (built, not started: the app starts and stops it)."""
+    metrics = Metrics(runtime)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        unsubscribe = metrics.subscribe(runtime)
+        warm = asyncio.create_task(_warm_up(runtime))
+        try:
+            yield
+        finally:
+            if not warm.done():
+                await asyncio.shield(warm)  # engines cannot stop in the middle of warming up
+            await asyncio.to_thread(runtime.stop)
+            unsubscribe()
+
+    app = FastAPI(title="duplexd", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.context = ServerContext(settings, runtime, metrics)
+    app.include_router(routes.router)
+    app.include_router(kyutai.router)
+    app.include_router(realtime.router)
+    return app

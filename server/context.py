@@ -1,0 +1,34 @@
+"""What every route needs, built once per app and injected with FastAPI's `Depends(get_context)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends
+from starlette.requests import HTTPConnection
+
+from .metrics import Metrics
+from .pump import Limits
+from .runtime import Runtime
+from .settings import ServerSettings
+
+
+@dataclass
+class ServerContext:
+    settings: ServerSettings
+    runtime: Runtime
+    metrics: Metrics
+
+    @property
+    def limits(self) -> Limits:
+        s = self.settings
+        return Limits(s.idle_timeout, s.send_timeout, s.max_session_seconds, s.max_message_bytes,
+                      s.late_frame_seconds)
+
+
+def get_context(conn: HTTPConnection) -> ServerContext:
+    return conn.app.state.context
+
+
+Context = Annotated[ServerContext, Depends(get_context)]

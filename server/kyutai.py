@@ -1,0 +1,92 @@
+"""`WS /api/chat`: the Kyutai protocol, as the reference server and its web and Python clients speak it.
+
+Binary messages only: kind byte + payload. Audio is one continuous Ogg/Opus stream at 24 kHz per direction;
+text is the model's raw piece per non-padding step. Sampling comes from the Rust server's query parameters.
+Order on the wire: metadata (0x04 JSON), handshake (0x00) once admitted, then audio (0x01) and text (0x02).
+Kinds a client may send besides audio (handshake, control, ping, ...) are accepted and ignored, as the
+reference does; an unknown kind byte, a text frame or undecodable Ogg/Opus ends the connection with an
+error message (0x05) and a close code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from fastapi import APIRouter, WebSocket
+
+from duplexd.engine.scheduler import SessionOutput
+
+from . import protocol
+from .admission import serve
+from .closing import Close, CloseCode
+from .context import Context, ServerContext
+from .opus import AudioError, OpusDecoder, OpusEncoder
+from .pump import Adapter, Pump
+from .sampling import max_frames_from_query, sampling_from_query
+from .version import VERSION
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+
+class KyutaiAdapter(Adapter):
+    name = "kyutai"
+
+    def __init__(self, ws: WebSocket, sample_rate: int) -> None:
+        super().__init__(ws)
+        self.decoder, self.encoder = OpusDecoder(sample_rate), OpusEncoder(sample_rate)
+
+    async def on_message(self, message: dict) -> np.ndarray | None:
+        data = message.get("bytes")
+        if data is None:
+            raise Close(CloseCode.UNSUPPORTED_DATA, "text_frame",
+                        "text frames are not part of this protocol: send binary kind-byte messages")
+        try:
+            msg = protocol.decode(data)
+        except protocol.ProtocolError as e:
+            raise Close(CloseCode.PROTOCOL_ERROR, "unknown_kind", str(e)) from None
+        if msg.kind != protocol.Kind.AUDIO:
+            logger.debug("ignoring a %s message from the client", msg.kind.name.lower())
+            return None
+        try:
+            return self.decoder.decode(msg.payload)
+        except AudioError as e:
+            raise Close(CloseCode.INVALID_PAYLOAD, "invalid_audio", str(e)) from None
+
+    async def send_output(self, out: SessionOutput) -> None:
+        ogg = self.encoder.encode(out.pcm)
+        async with self.send_lock:
+            if ogg:
+                await self.ws.send_bytes(protocol.audio(ogg))
+            if out.text:
+                await self.ws.send_bytes(protocol.text(out.text))
+
+    async def send_error(self, close: Close) -> None:
+        await self.send_bytes(protocol.error(close.message))
+
+
+def metadata(ctx: ServerContext, pump: Pump) -> dict:
+    """What the Rust server announces before its handshake, plus the session's id, seed and length limit."""
+    params, info = pump.session.params, ctx.runtime.info
+    return {
+        "text_temperature": params.text_temperature, "text_topk": params.text_topk,
+        "audio_temperature": params.audio_temperature, "audio_topk": params.audio_topk,
+        "pad_mult": 0.0, "repetition_penalty_context": 0, "repetition_penalty": 1.0,
+        "lm_model_file": info.lm_file, "mimi_model_file": info.mimi_file, "model": info.id, "demo": info.demo,
+        "build_info": {"server": "duplexd", "version": VERSION},
+        "instance_name": ctx.settings.instance_name,
+        "session_id": pump.session.id, "seed": params.seed, "max_steps": pump.session.max_frames,
+    }
+
+
+@router.websocket("/api/chat")
+async def chat(ws: WebSocket, ctx: Context) -> None:
+    adapter = KyutaiAdapter(ws, ctx.runtime.info.sample_rate)
+    query = ws.query_params
+
+    async def greet(pump: Pump) -> None:
+        await adapter.send_bytes(protocol.metadata(metadata(ctx, pump)))
+        await adapter.send_bytes(protocol.handshake())
+
+    await serve(ctx, adapter, None, lambda: (sampling_from_query(query), max_frames_from_query(query)), greet)

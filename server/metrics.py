@@ -1,0 +1,83 @@
+"""Prometheus metrics: one registry per app (so several apps in one process never collide).
+
+Engine counters and gauges are read from `Engine.stats()` at scrape time; step duration and batch size come from
+the engine's step callback (prometheus-client is thread-safe); per-session counters are fed by the connections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from duplexd.engine.scheduler import StepRecord
+
+from .runtime import Runtime
+
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.1, 0.15, 0.2, 0.5, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine-wide counters, read from the engines when Prometheus scrapes."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterable:
+        stats = self.runtime.stats()
+        gauges = {
+            "duplexd_sessions_active": ("sessions holding a slot", sum(s.active_sessions for s in stats)),
+            "duplexd_sessions_capacity": ("session slots", sum(s.max_sessions for s in stats)),
+            "duplexd_sessions_admissible": ("sessions that could be admitted now", self.runtime.admissible()),
+            "duplexd_kv_pages_used": ("KV cache pages in use", sum(s.kv_pages_used for s in stats)),
+            "duplexd_kv_pages_total": ("KV cache pages", sum(s.kv_pages_total for s in stats)),
+            "duplexd_ready": ("1 once every engine is warm", int(self.runtime.ready)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "duplexd_engine_steps": ("engine steps", sum(s.steps for s in stats)),
+            "duplexd_frames_in": ("80 ms frames the engine consumed", sum(s.frames_in for s in stats)),
+            "duplexd_frames_out": ("80 ms frames the engine produced", sum(s.frames_out for s in stats)),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, runtime: Runtime) -> None:
+        self.registry = registry = CollectorRegistry()
+        registry.register(_EngineCollector(runtime))
+        self.sessions = Counter("duplexd_sessions", "sessions admitted", ["protocol"], registry=registry)
+        self.refused = Counter("duplexd_sessions_refused", "sessions refused", ["reason"], registry=registry)
+        self.closed = Counter("duplexd_sessions_closed", "sessions ended", ["reason"], registry=registry)
+        self.protocol_errors = Counter("duplexd_protocol_errors", "connections ended by bad input",
+                                       ["protocol", "error"], registry=registry)
+        self.dropped = Counter("duplexd_frames_dropped", "frames dropped: input over the inbox bound, output over "
+                               "the outbox bound", ["direction"], registry=registry)
+        self.late = Counter("duplexd_frames_late", "output frames later than the late threshold after their input",
+                            registry=registry)
+        self.latency = Histogram("duplexd_frame_latency_seconds", "input frame pushed to its output frame received",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.step_seconds = Histogram("duplexd_step_duration_seconds", "engine step duration",
+                                      buckets=STEP_BUCKETS, registry=registry)
+        self.batch_size = Histogram("duplexd_step_batch_size", "sessions per engine step", buckets=BATCH_BUCKETS,
+                                    registry=registry)
+        for direction in ("in", "out"):
+            self.dropped.labels(direction)
+
+    def on_step(self, record: StepRecord) -> None:
+        """Engine-thread callback after every step."""
+        self.step_seconds.observe(record.seconds)
+        self.batch_size.observe(record.batch_size)
+
+    def subscribe(self, runtime: Runtime) -> Callable[[], None]:
+        stops = [engine.on_step(self.on_step) for engine in runtime.engines]
+        return lambda: [stop() for stop in stops if callable(stop)]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,221 @@
+"""One admitted conversation: a reader task (client → engine) and a writer task (engine → client).
+
+Neither task waits on the other, so a client that floods, stalls or vanishes only ever affects its own
+session. The policies (all per session, documented in docs/SERVER.md):
+
+* faster than real time: the engine's inbox keeps `max_pending_frames`; newer frames are dropped and counted;
+* stops reading: the engine's outbox keeps `max_output_frames` (the oldest is dropped and counted); a single send
+  blocked for `send_timeout`, or unanswered keep-alive pings, close the connection;
+* goes silent: no message for `idle_timeout` closes it (1000, "idle timeout");
+* vanishes: the disconnect ends the reader; the session is closed in `finally`, on every path.
+
+Wall-clock session length is capped at `max_session_seconds` (the engine also caps the frames).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketState
+
+from duplexd.engine.errors import SessionClosed
+from duplexd.engine.scheduler import Session, SessionOutput
+
+from .closing import Close, CloseCode, Disconnected, close_for_session_end
+from .latency import FrameClock
+from .metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+BAD_INPUT = {CloseCode.PROTOCOL_ERROR, CloseCode.UNSUPPORTED_DATA, CloseCode.INVALID_PAYLOAD, CloseCode.MESSAGE_TOO_BIG}
+
+
+@dataclass(frozen=True)
+class Limits:
+    idle_timeout: float
+    send_timeout: float
+    max_session_seconds: float
+    max_message_bytes: int
+    late_frame_seconds: float
+
+
+class Adapter(ABC):
+    """A wire protocol: turns client messages into audio and engine outputs into messages."""
+
+    name: str
+
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+        self.send_lock = asyncio.Lock()  # sends come from both tasks; keep each message whole and in order
+
+    @abstractmethod
+    async def on_message(self, message: dict) -> np.ndarray | None:
+        """Handle one ASGI `websocket.receive` message; return audio to push (or None). Raise `Close`."""
+
+    @abstractmethod
+    async def send_output(self, out: SessionOutput) -> None:
+        """Send one output frame (audio and text)."""
+
+    @abstractmethod
+    async def send_error(self, close: Close) -> None:
+        """Tell the client why the connection is about to close."""
+
+    async def send_bytes(self, data: bytes) -> None:
+        async with self.send_lock:
+            await self.ws.send_bytes(data)
+
+    async def send_text(self, data: str) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(data)
+
+
+async def receive(ws: WebSocket, timeout: float | None) -> dict:
+    """The next client message; `Disconnected` when the client has gone, `TimeoutError` after `timeout`."""
+    try:
+        message = await asyncio.wait_for(ws.receive(), timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError from None
+    except RuntimeError as e:  # starlette: receive after the disconnect message
+        raise Disconnected(str(e)) from None
+    if message["type"] == "websocket.disconnect":
+        raise Disconnected(f"client left (close code {message.get('code')})", message.get("code"))
+    return message
+
+
+def message_size(message: dict) -> int:
+    data = message.get("bytes")
+    return len(data) if data is not None else len(message.get("text") or "")
+
+
+class Pump:
+    """Runs one admitted session until it ends, then always closes it (slot and pages back)."""
+
+    def __init__(self, adapter: Adapter, session: Session, limits: Limits, metrics: Metrics, frame_size: int) -> None:
+        self.adapter, self.session, self.limits, self.metrics = adapter, session, limits, metrics
+        self.frame_size = frame_size
+        self.clock = FrameClock(frame_size)
+        self.started = time.monotonic()
+        self._swap: asyncio.Future | None = None  # set while the adapter replaces the engine session
+        self._dropped_out = 0
+
+    # ------------------------------------------------------------------------------------------- session swap
+
+    def replacing(self) -> asyncio.Future:
+        """Mark the session as being replaced (before it is closed), so the writer waits for the new one."""
+        self._swap = asyncio.get_running_loop().create_future()
+        return self._swap
+
+    def replaced(self, session: Session | None) -> None:
+        if session is not None:
+            self.session, self.clock, self._dropped_out = session, FrameClock(self.frame_size), 0
+        if self._swap is not None and not self._swap.done():
+            self._swap.set_result(None)
+        self._swap = None
+
+    # ------------------------------------------------------------------------------------------- the tasks
+
+    async def _read(self) -> None:
+        limits = self.limits
+        while True:
+            try:
+                message = await receive(self.adapter.ws, limits.idle_timeout)
+            except TimeoutError:
+                raise Close(CloseCode.NORMAL, "idle_timeout",
+                            f"idle timeout: no message for {limits.idle_timeout:g} s") from None
+            size = message_size(message)
+            if size > limits.max_message_bytes:
+                raise Close(CloseCode.MESSAGE_TOO_BIG, "message_too_big",
+                            f"message of {size} bytes is over the limit of {limits.max_message_bytes} bytes")
+            pcm = await self.adapter.on_message(message)
+            if pcm is not None and len(pcm):
+                self.push(pcm)
+
+    def push(self, pcm: np.ndarray) -> None:
+        try:
+            dropped = self.session.push(pcm)
+        except SessionClosed:
+            return  # the writer sees the end and reports it
+        self.clock.pushed(len(pcm), dropped, time.monotonic())
+        if dropped:
+            self.metrics.dropped.labels("in").inc(dropped)
+
+    async def _write(self) -> None:
+        limits = self.limits
+        while True:
+            session = self.session
+            out = await session.recv()
+            if out is None:
+                if self._swap is not None or session is not self.session:
+                    if self._swap is not None:
+                        await self._swap
+                    continue
+                raise close_for_session_end(session.close_reason)
+            now = time.monotonic()
+            delay = self.clock.delay(out.frame, now)
+            if delay is not None:
+                self.metrics.latency.observe(delay)
+                if delay > limits.late_frame_seconds:
+                    self.metrics.late.inc()
+            if session.frames_dropped_out > self._dropped_out:
+                self.metrics.dropped.labels("out").inc(session.frames_dropped_out - self._dropped_out)
+                self._dropped_out = session.frames_dropped_out
+            try:
+                await asyncio.wait_for(self.adapter.send_output(out), limits.send_timeout)
+            except asyncio.TimeoutError:
+                raise Close(CloseCode.POLICY_VIOLATION, "slow_reader",
+                            f"the client stopped reading: a send was blocked for {limits.send_timeout:g} s",
+                            notify=False) from None
+            except Exception as e:  # noqa: BLE001 - the transport is gone; any error means the same
+                raise Disconnected(str(e)) from None
+
+    async def run(self) -> Close | Disconnected:
+        """Pump until the session ends; returns the close sent to the client, or how it disconnected."""
+        tasks = [asyncio.create_task(self._read(), name="ws-read"), asyncio.create_task(self._write(), name="ws-write")]
+        try:
+            remaining = self.limits.max_session_seconds - (time.monotonic() - self.started)
+            done, _ = await asyncio.wait(tasks, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                outcome: BaseException | None = Close(CloseCode.NORMAL, "max_session_length",
+                                                      "maximum session length reached")
+            else:
+                outcome = next(iter(done)).exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            self.session.close("client")
+        return await self.finish(outcome)
+
+    async def finish(self, outcome: BaseException | None) -> Close | Disconnected:
+        if outcome is None:
+            outcome = Disconnected("client left")
+        if isinstance(outcome, Disconnected):
+            self.metrics.closed.labels(outcome.label).inc()
+            return outcome
+        if not isinstance(outcome, Close):
+            logger.error("session %s failed", self.session.id, exc_info=outcome)
+            outcome = Close(CloseCode.INTERNAL_ERROR, "internal_error", "internal server error")
+        self.metrics.closed.labels(outcome.error).inc()
+        if outcome.code in BAD_INPUT:
+            self.metrics.protocol_errors.labels(self.adapter.name, outcome.error).inc()
+        await close_connection(self.adapter, outcome, self.limits.send_timeout)
+        return outcome
+
+
+async def close_connection(adapter: Adapter, close: Close, timeout: float) -> None:
+    """Send the error message (if any) and the close frame, without waiting long on a client that stalls."""
+    ws = adapter.ws
+    if ws.client_state != WebSocketState.CONNECTED or ws.application_state != WebSocketState.CONNECTED:
+        return
+    with contextlib.suppress(Exception):
+        if close.notify:
+            await asyncio.wait_for(adapter.send_error(close), timeout)
+        await asyncio.wait_for(ws.close(close.code, close.reason), min(timeout, 2.0))

@@ -1,0 +1,131 @@
+"""`WS /v1/realtime`: an OpenAI Realtime subset in duplex mode (JSON events, base64 pcm16 at 24 kHz).
+
+The session is admitted on connect (`session.created`, or an `error` with code `resource_exhausted` and close
+1013). Audio flows both ways continuously: every output frame is a `response.output_audio.delta`, and the model's
+text a `response.output_audio_transcript.delta`, all within one long response. Sampling can be changed by
+`session.update` until the first audio arrives (the engine fixes it when the session starts); the session is then
+re-admitted with the new settings. Malformed JSON or base64, binary frames and unknown event types end the
+connection with an `error` event and a close code; turn-taking events get a non-fatal `unsupported_event`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+from fastapi import APIRouter, WebSocket
+
+from duplexd.engine.config import SamplingParams
+from duplexd.engine.errors import CapacityError
+from duplexd.engine.scheduler import SessionOutput
+
+from . import realtime_events as ev
+from .access import offered_subprotocols
+from .admission import serve
+from .closing import Close, CloseCode
+from .context import Context, ServerContext
+from .pump import Adapter, Pump
+from .sampling import sampling_from_query
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+REOPEN_WAIT = 2.0  # seconds to wait for our own slot to come back when re-admitting after session.update
+
+
+class RealtimeAdapter(Adapter):
+    name = "realtime"
+
+    def __init__(self, ws: WebSocket, ctx: ServerContext) -> None:
+        super().__init__(ws)
+        self.ctx = ctx
+        self.pump: Pump | None = None
+        self.session_id = ev.new_id("sess")
+        self.response_id, self.item_id = ev.new_id("resp"), ev.new_id("item")
+        self.audio_started = False
+        self.response_started = False
+
+    def session_object(self, params: SamplingParams) -> dict:
+        return ev.session_object(self.session_id, self.ctx.runtime.info.id, params,
+                                 self.ctx.settings.max_session_seconds)
+
+    async def on_message(self, message: dict) -> np.ndarray | None:
+        text = message.get("text")
+        if text is None:
+            raise Close(CloseCode.UNSUPPORTED_DATA, "binary_frame",
+                        "binary frames are not part of this protocol: send JSON events as text")
+        event = ev.parse_event(text)
+        kind = event["type"]
+        if kind == "input_audio_buffer.append":
+            self.audio_started = True
+            return ev.decode_audio(event)
+        try:
+            if kind == "session.update":
+                await self.update_session(event)
+            elif kind in ev.UNSUPPORTED:
+                raise ev.RealtimeError("unsupported_event", f"{kind} has no effect on a full-duplex model: "
+                                       "it takes turns by itself", event.get("event_id"))
+            else:
+                raise Close(CloseCode.PROTOCOL_ERROR, "unknown_event", f"unknown event type {kind!r}")
+        except ev.RealtimeError as e:
+            await self.send_text(ev.error_event(e.code, e.message, event_id=e.event_id, param=e.param))
+        return None
+
+    async def update_session(self, event: dict) -> None:
+        pump = self.pump
+        assert pump is not None
+        params = ev.sampling_update(event, pump.session.params)
+        if params != pump.session.params:
+            if self.audio_started:
+                raise ev.RealtimeError("session_immutable", "sampling cannot change once audio has started",
+                                       event.get("event_id"), "session.sampling")
+            await self.readmit(pump, params)
+        await self.send_text(ev.session_updated(self.session_object(params)))
+
+    async def readmit(self, pump: Pump, params: SamplingParams) -> None:
+        """Swap the engine session for one with new sampling (ours is released between two engine steps)."""
+        pump.replacing()
+        old = pump.session
+        old.close("client")
+        deadline = time.monotonic() + REOPEN_WAIT
+        while True:
+            try:
+                session = self.ctx.runtime.open_session(params, old.max_frames)
+                break
+            except CapacityError as e:
+                if time.monotonic() > deadline:
+                    pump.replaced(None)
+                    raise Close(CloseCode.TRY_AGAIN_LATER, "resource_exhausted", f"server at capacity: {e}") from None
+                await asyncio.sleep(0.01)
+        pump.replaced(session)
+
+    async def send_output(self, out: SessionOutput) -> None:
+        messages = []
+        if not self.response_started:
+            self.response_started = True
+            messages.append(ev.response_created(self.response_id))
+        messages.append(ev.audio_delta(self.response_id, self.item_id, out.pcm))
+        if out.text:
+            messages.append(ev.transcript_delta(self.response_id, self.item_id, out.text))
+        async with self.send_lock:
+            for message in messages:
+                await self.ws.send_text(message)
+
+    async def send_error(self, close: Close) -> None:
+        kind = "server_error" if close.code in (CloseCode.INTERNAL_ERROR, CloseCode.TRY_AGAIN_LATER,
+                                                CloseCode.GOING_AWAY) else "invalid_request_error"
+        code = "resource_exhausted" if close.error == "capacity" else close.error
+        await self.send_text(ev.error_event(code, close.message, kind=kind))
+
+
+@router.websocket("/v1/realtime")
+async def realtime(ws: WebSocket, ctx: Context) -> None:
+    adapter = RealtimeAdapter(ws, ctx)
+    subprotocol = ev.SUBPROTOCOL if ev.SUBPROTOCOL in offered_subprotocols(ws) else None
+
+    async def greet(pump: Pump) -> None:
+        adapter.pump = pump
+        await adapter.send_text(ev.session_created(adapter.session_object(pump.session.params)))
+
+    await serve(ctx, adapter, subprotocol, lambda: (sampling_from_query(ws.query_params), None), greet)

@@ -1,0 +1,58 @@
+"""Plain HTTP endpoints: liveness, readiness, Prometheus metrics and the model list.
+
+`/health`, `/ready` and `/metrics` are for the operator's probes and scraper and need no API key; `/v1/models`
+does when one is set (it is part of the client-facing API).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from .access import key_ok
+from .context import Context
+from .version import VERSION
+
+router = APIRouter()
+
+
+@router.get("/health")
+def health(ctx: Context) -> JSONResponse:
+    """Live: the process answers. 503 only when the engine failed to warm up (restart it)."""
+    runtime = ctx.runtime
+    if runtime.failed:
+        return JSONResponse({"status": "failed", "error": runtime.failed}, status_code=503)
+    return JSONResponse({"status": "ok", "ready": runtime.ready, "version": VERSION})
+
+
+@router.get("/ready")
+def ready(ctx: Context) -> JSONResponse:
+    """Ready: warm, and at least one more session can be admitted now (else 503, so balancers look elsewhere)."""
+    runtime = ctx.runtime
+    admissible = runtime.admissible()
+    body = {"ready": runtime.ready and admissible > 0, "warm": runtime.ready, "admissible_sessions": admissible,
+            "capacity": runtime.capacity()}
+    if not runtime.ready:
+        body["reason"] = runtime.failed or "warming up"
+    elif admissible == 0:
+        body["reason"] = "at capacity"
+    return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+
+@router.get("/metrics")
+def metrics(ctx: Context) -> Response:
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+def models(request: Request, ctx: Context) -> dict:
+    if not key_ok(request, ctx.settings.api_key):
+        raise HTTPException(status_code=401, detail="missing or wrong API key")
+    info = ctx.runtime.info
+    return {"object": "list", "data": [{
+        "id": info.id, "object": "model", "created": info.created, "owned_by": "duplexd",
+        "demo": info.demo, "sample_rate": info.sample_rate, "frame_size": info.frame_size,
+        "devices": list(info.devices), "max_sessions": ctx.runtime.capacity(),
+        "protocols": ["/api/chat", "/v1/realtime"],
+    }]}

@@ -1,0 +1,145 @@
+"""The models and engines behind the server: loaded before the port is bound, warmed after.
+
+One engine per device; a new session goes to the engine that can admit the most, so a multi-GPU server fills
+evenly. Loading errors (missing or corrupt files, bad configs) surface here, before uvicorn starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from duplexd.engine.checkpoint import load_lm, load_mimi
+from duplexd.engine.config import MIMI_PRESETS, ConfigError, SamplingParams
+from duplexd.engine.errors import CapacityError
+from duplexd.engine.hub import resolve_file
+from duplexd.engine.scheduler import Engine, EngineConfig, EngineStats, Session
+from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.infer import DTYPES, TOKENIZER_NAME, ModelFiles, model_files
+
+from .settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `/v1/models` and the Kyutai metadata say about the model, built from the files we loaded."""
+
+    id: str
+    lm_file: str
+    mimi_file: str
+    tokenizer_file: str
+    demo: bool
+    sample_rate: int
+    frame_size: int
+    devices: tuple[str, ...]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def resolve_files(settings: ServerSettings) -> ModelFiles:
+    """The weight files to load (demo model when none are given), by the same rules as `duplexd infer`."""
+    args = argparse.Namespace(moshi_weight=settings.moshi_weight, mimi_weight=settings.mimi_weight,
+                              tokenizer=settings.tokenizer, config=settings.config, hf_repo=settings.hf_repo,
+                              mimi_preset=settings.mimi_preset)
+    return model_files(args)
+
+
+def weight_dtype(settings: ServerSettings, device: str) -> torch.dtype:
+    if settings.dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return DTYPES[settings.dtype]
+
+
+def _model_id(settings: ServerSettings, files: ModelFiles) -> str:
+    if settings.demo:
+        return "duplexd-demo"
+    if settings.hf_repo:
+        return settings.hf_repo
+    return str(files.moshi).rstrip("/").rsplit("/", 1)[-1].removesuffix(".safetensors")
+
+
+class Runtime:
+    """The engines of this server and what they serve; `open_session` never blocks."""
+
+    def __init__(self, engines: list[Engine], info: ModelInfo) -> None:
+        if not engines:
+            raise ConfigError("no engine to serve with")
+        self.engines, self.info = engines, info
+        self.failed: str | None = None  # why warm-up failed, if it did
+
+    @property
+    def ready(self) -> bool:
+        return self.failed is None and all(e.ready for e in self.engines)
+
+    def start(self) -> None:
+        """Warm every engine up (blocking: CUDA graph capture on GPU, warm-up steps on CPU)."""
+        for engine in self.engines:
+            started = time.perf_counter()
+            logger.info("warming up the engine on %s ...", engine.device)
+            engine.start()
+            logger.info("engine on %s warm in %.1f s", engine.device, time.perf_counter() - started)
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+
+    def open_session(self, params: SamplingParams, max_frames: int | None = None) -> Session:
+        """Admit a session on the engine with the most room, or raise `CapacityError`."""
+        if not self.ready:
+            raise CapacityError("the model is still warming up" if self.failed is None else "the model failed")
+        order = sorted(self.engines, key=lambda e: e.stats().admissible_sessions, reverse=True)
+        error: CapacityError | None = None
+        for engine in order:
+            try:
+                return engine.open_session(params, max_frames)
+            except CapacityError as e:
+                error = e
+        assert error is not None
+        raise error
+
+    def stats(self) -> list[EngineStats]:
+        return [engine.stats() for engine in self.engines]
+
+    def admissible(self) -> int:
+        return sum(s.admissible_sessions for s in self.stats()) if self.ready else 0
+
+    def capacity(self) -> int:
+        return sum(e.config.max_sessions for e in self.engines)
+
+
+def load_runtime(settings: ServerSettings) -> Runtime:
+    """Load the weights onto every device and build the engines (not started). Raises `CheckpointError` or
+    `ConfigError` with a message naming the problem."""
+    files = resolve_files(settings)
+    threads = torch.get_num_threads()
+    if any(torch.device(d).type == "cpu" for d in settings.devices):
+        # The engine's loop thread does all the torch work with `threads` intra-op threads; other threads that touch
+        # torch keep one, or the OpenMP pools oversubscribe the cores and every step slows (engine.scheduler docs).
+        torch.set_num_threads(1)
+    tokenizer_path = resolve_file(files.tokenizer, TOKENIZER_NAME)
+    tokenizer = TextTokenizer(tokenizer_path)
+    engines = []
+    for index, device in enumerate(settings.devices):
+        step = f"[{index + 1}/{len(settings.devices)}] {device}"
+        started = time.perf_counter()
+        logger.info("%s: loading the LM from %s", step, files.moshi)
+        lm = load_lm(files.moshi, files.config, device=device, dtype=weight_dtype(settings, device))
+        logger.info("%s: loading Mimi from %s", step, files.mimi)
+        mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
+        config = EngineConfig(
+            max_sessions=settings.max_sessions, kv_memory=settings.kv_memory,
+            max_session_frames=settings.max_session_frames, max_pending_frames=settings.max_pending_frames,
+            max_output_frames=settings.max_output_frames, device=device, cuda_graphs=settings.cuda_graphs,
+            threads=threads,
+        )
+        engines.append(Engine(lm, mimi, tokenizer, config))
+        logger.info("%s: loaded in %.1f s", step, time.perf_counter() - started)
+    first = engines[0]
+    info = ModelInfo(_model_id(settings, files), str(files.moshi), str(files.mimi), str(tokenizer_path),
+                     settings.demo, first.sample_rate, first.frame_size, tuple(settings.devices))
+    return Runtime(engines, info)

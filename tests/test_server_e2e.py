@@ -1,0 +1,564 @@
+"""End to end: a real `duplexd serve` (demo model, CPU, 4 slots) on a free local port, driven over the wire.
+
+One server for the whole module. Covers both protocols' round trips, 4 concurrent sessions, capacity refusal,
+every kind of bad input (each followed by a healthy session), the overload policies, a killed client's slot
+coming back, and the reference `moshi` package's own client code talking to the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import httpx2
+import numpy as np
+import pytest
+import sphn
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+RATE, FRAME = 24000, 1920
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ORIGIN = "http://allowed.example"
+MAX_MESSAGE = 65536
+IDLE = 1.5
+SERVER_ARGS = ["--max-sessions", "4", "--api-key", KEY, "--allowed-origins", ORIGIN, "--idle-timeout", str(IDLE),
+               "--max-message-bytes", str(MAX_MESSAGE), "--ws-ping-interval", "1", "--ws-ping-timeout", "1.5",
+               "--send-timeout", "2", "--max-session-seconds", "60"]
+
+
+class Server:
+    def __init__(self, port: int, proc: subprocess.Popen, log: Path) -> None:
+        self.port, self.proc, self.log = port, proc, log
+        self.http = f"http://127.0.0.1:{port}"
+
+    def ws(self, path: str) -> str:
+        return f"ws://127.0.0.1:{self.port}{path}"
+
+    def get(self, path: str, **kw) -> httpx2.Response:
+        return httpx2.get(self.http + path, timeout=10, **kw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = self.get("/metrics").text
+        match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+        assert match, f"{name}{labels} not in /metrics"
+        return float(match.group(1))
+
+    def wait_for(self, check, timeout: float = 10.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if check():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def wait_idle(self) -> None:
+        """No session holds a slot (the previous test's sessions are gone)."""
+        self.wait_for(lambda: self.metric("duplexd_sessions_active") == 0 and self.metric("duplexd_kv_pages_used") == 0,
+                      what="all slots free")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    env = {**os.environ, "DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "duplexd", "serve", "--port", str(port), *SERVER_ARGS],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    srv = Server(port, proc, log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited ({proc.returncode}):\n{log.read_text()}")
+            try:
+                if srv.get("/ready").status_code == 200:
+                    break
+            except httpx2.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not ready:\n{log.read_text()}")
+            time.sleep(0.1)
+        yield srv
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 130, log.read_text()[-3000:]  # SIGINT: a clean shutdown, then the usual 130
+    assert "Finished server process" in log.read_text()
+    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def tone(frames: int, freq: float = 220.0) -> np.ndarray:
+    t = np.arange(frames * FRAME) / RATE
+    return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------- Kyutai client
+
+
+async def kyutai_open(server: Server, query: str = "", headers: dict | None = None, **kw):
+    return await connect(server.ws(f"/api/chat?{query}"), additional_headers=AUTH if headers is None else headers,
+                         **kw)
+
+
+async def kyutai_greeting(ws) -> dict:
+    meta = await ws.recv()
+    assert meta[0] == 4, meta[:20]
+    info = json.loads(meta[1:].decode())
+    assert await ws.recv() == b"\x00" + bytes(8)  # handshake after metadata, Rust style
+    return info
+
+
+async def kyutai_exchange(ws, frames: int, pace: float = 0.0) -> tuple[np.ndarray, list[str], int]:
+    """Send `frames` frames of Opus; return the decoded answer, its text pieces and the audio message count."""
+    writer, reader = sphn.OpusStreamWriter(RATE), sphn.OpusStreamReader(RATE)
+    audio = tone(frames)
+
+    async def send():
+        for i in range(frames):
+            ogg = writer.append_pcm(audio[i * FRAME : (i + 1) * FRAME])
+            if ogg:
+                await ws.send(b"\x01" + ogg)
+            await asyncio.sleep(pace)
+
+    sender = asyncio.create_task(send())
+    pcm, texts, messages = [], [], 0
+    while messages < frames - 1:
+        msg = await asyncio.wait_for(ws.recv(), 20)
+        assert isinstance(msg, bytes)
+        if msg[0] == 1:
+            messages += 1
+            pcm.append(reader.append_bytes(msg[1:]))
+        elif msg[0] == 2:
+            texts.append(msg[1:].decode("utf-8"))
+        else:
+            raise AssertionError(f"unexpected kind {msg[0]}")
+    await sender
+    return np.concatenate(pcm), texts, messages
+
+
+async def healthy_kyutai(server: Server, frames: int = 4) -> None:
+    async with await kyutai_open(server) as ws:
+        await kyutai_greeting(ws)
+        pcm, _, messages = await kyutai_exchange(ws, frames)
+        assert messages == frames - 1 and len(pcm) > 0
+
+
+async def closed_with(ws, timeout: float = 15) -> tuple[int, list]:
+    """Read until the server closes; return its close code and what it sent before."""
+    received = []
+    try:
+        while True:
+            received.append(await asyncio.wait_for(ws.recv(), timeout))
+    except ConnectionClosed as e:
+        assert e.rcvd is not None, "the connection dropped without a close frame"
+        return e.rcvd.code, received
+
+
+# ----------------------------------------------------------------------------------------------- Realtime client
+
+
+async def realtime_open(server: Server, query: str = "", headers: dict | None = None, **kw):
+    return await connect(server.ws(f"/v1/realtime?{query}"), subprotocols=["realtime"],
+                         additional_headers=AUTH if headers is None else headers, **kw)
+
+
+def append_event(pcm: np.ndarray) -> str:
+    data = (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+    return json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(data).decode()})
+
+
+async def realtime_exchange(ws, frames: int, pace: float = 0.0) -> tuple[np.ndarray, list[str], list[dict]]:
+    audio = tone(frames, 330.0)
+
+    async def send():
+        for i in range(frames):
+            await ws.send(append_event(audio[i * FRAME : (i + 1) * FRAME]))
+            await asyncio.sleep(pace)
+
+    sender = asyncio.create_task(send())
+    pcm, texts, others = [], [], []
+    while len(pcm) < frames - 1:
+        event = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        if event["type"] == "response.output_audio.delta":
+            pcm.append(np.frombuffer(base64.b64decode(event["delta"]), "<i2"))
+        elif event["type"] == "response.output_audio_transcript.delta":
+            texts.append(event["delta"])
+        else:
+            others.append(event)
+    await sender
+    return np.concatenate(pcm), texts, others
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+def test_http_endpoints(server):
+    health = server.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    ready = server.get("/ready").json()
+    assert ready["ready"] and ready["admissible_sessions"] == 4 and ready["capacity"] == 4
+    assert server.get("/v1/models").status_code == 401  # the API key guards the client API
+    models = server.get("/v1/models", headers=AUTH).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "duplexd-demo" and models["data"][0]["demo"]
+    text = server.get("/metrics").text
+    for name in ("duplexd_sessions_active", "duplexd_sessions_capacity 4.0", "duplexd_sessions_refused_total",
+                 "duplexd_step_duration_seconds_bucket", "duplexd_step_batch_size_bucket", "duplexd_frames_in_total",
+                 "duplexd_frames_out_total", "duplexd_frames_late_total", "duplexd_frames_dropped_total",
+                 "duplexd_kv_pages_used", "duplexd_frame_latency_seconds_bucket"):
+        assert name in text, name
+    log = server.log.read_text()
+    assert "DEMO model" in log.splitlines()[0]  # the first log line says what is served
+
+
+def test_kyutai_round_trip(server):
+    async def main():
+        query = "text_temperature=0.5&text_topk=10&audio_temperature=0.6&audio_topk=50&text_seed=7&pad_mult=0"
+        async with await kyutai_open(server, query) as ws:
+            info = await kyutai_greeting(ws)
+            assert (info["text_temperature"], info["text_topk"], info["audio_temperature"], info["audio_topk"],
+                    info["seed"]) == (0.5, 10, 0.6, 50, 7)
+            pcm, texts, messages = await kyutai_exchange(ws, 12, pace=0.02)
+            return pcm, texts, messages
+
+    pcm, texts, messages = run(main())
+    assert messages == 11  # N frames in, N - 1 out
+    assert 9 * FRAME <= len(pcm) <= 11 * FRAME and np.isfinite(pcm).all() and np.abs(pcm).max() > 0
+    assert texts and all("\u2581" not in t for t in texts)
+    before = server.metric("duplexd_frames_out_total")
+    assert before >= 11
+
+
+def test_kyutai_max_steps_ends_the_session(server):
+    async def main():
+        async with await kyutai_open(server, "max_steps=3") as ws:
+            info = await kyutai_greeting(ws)
+            assert info["max_steps"] == 3
+            writer = sphn.OpusStreamWriter(RATE)
+            for _ in range(6):
+                await ws.send(b"\x01" + writer.append_pcm(tone(1)))
+            return await closed_with(ws)
+
+    code, received = run(main())
+    assert code == 1000
+    assert sum(m[0] == 1 for m in received) == 2  # 3 frames stepped, the first one produces nothing
+    assert received[-1] == b"\x05" + b"maximum session length reached"
+
+
+def test_realtime_round_trip(server):
+    async def main():
+        async with await realtime_open(server) as ws:
+            assert ws.subprotocol == "realtime"
+            created = json.loads(await ws.recv())
+            assert created["type"] == "session.created"
+            assert created["session"]["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
+            sampling = {"text_temperature": 0.0, "text_topk": 1, "audio_temperature": 0.5, "audio_topk": 20,
+                        "seed": 3}
+            await ws.send(json.dumps({"type": "session.update", "session": {"sampling": sampling}}))
+            updated = json.loads(await ws.recv())
+            assert updated["type"] == "session.updated" and updated["session"]["sampling"] == sampling
+            await ws.send(json.dumps({"type": "response.create", "event_id": "evt1"}))
+            error = json.loads(await ws.recv())
+            assert error["type"] == "error" and error["error"]["code"] == "unsupported_event"
+            assert error["error"]["event_id"] == "evt1"
+            pcm, texts, others = await realtime_exchange(ws, 10, pace=0.02)
+            await ws.send(json.dumps({"type": "session.update", "session": {"sampling": {"seed": 4}}}))
+            late = json.loads(await ws.recv())
+            while late["type"] != "error":  # the last frame's transcript may still be on its way
+                late = json.loads(await ws.recv())
+            return pcm, texts, others, late
+
+    pcm, texts, others, late = run(main())
+    assert len(pcm) == 9 * FRAME  # pcm16, 3840 bytes per frame
+    assert [e["type"] for e in others] == ["response.created"]
+    assert texts
+    assert late["type"] == "error" and late["error"]["code"] == "session_immutable"
+
+
+def test_four_concurrent_sessions_then_capacity_refusal(server):
+    server.wait_idle()
+
+    async def main():
+        kyutai = [await kyutai_open(server) for _ in range(2)]
+        realtime = [await realtime_open(server) for _ in range(2)]
+        for ws in kyutai:
+            await kyutai_greeting(ws)
+        for ws in realtime:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+        assert server.metric("duplexd_sessions_active") == 4
+        ready = await asyncio.to_thread(server.get, "/ready")
+        assert ready.status_code == 503 and ready.json()["reason"] == "at capacity"
+        # full: both protocols refuse at once, with an error and 1013
+        async with await kyutai_open(server) as ws:
+            code, received = await closed_with(ws, timeout=5)
+            assert code == 1013 and received[-1][0] == 5 and b"capacity" in received[-1]
+        async with await realtime_open(server) as ws:
+            code, received = await closed_with(ws, timeout=5)
+            error = json.loads(received[-1])
+            assert code == 1013 and error["type"] == "error" and error["error"]["code"] == "resource_exhausted"
+        results = await asyncio.gather(*(kyutai_exchange(ws, 10, pace=0.04) for ws in kyutai),
+                                       *(realtime_exchange(ws, 10, pace=0.04) for ws in realtime))
+        for ws in kyutai + realtime:
+            await ws.close()
+        return results
+
+    results = run(main())
+    for pcm, _, _ in results:
+        assert len(pcm) >= 8 * FRAME
+    assert server.metric("duplexd_sessions_refused_total", '{reason="capacity"}') >= 2
+    server.wait_idle()
+    text = server.get("/metrics").text
+    batch = re.search(r'^duplexd_step_batch_size_bucket\{le="2.0"\} (\S+)$', text, re.M)
+    total = re.search(r"^duplexd_step_batch_size_count (\S+)$", text, re.M)
+    assert float(batch.group(1)) < float(total.group(1))  # some steps batched more than 2 sessions
+
+
+def _ogg() -> bytes:
+    return sphn.OpusStreamWriter(RATE).append_pcm(tone(1))
+
+
+# (name, protocol, headers, query, message to send or None, expected close code)
+BAD_INPUTS = [
+    ("kyutai-unknown-kind", "kyutai", AUTH, "", b"\x09hello", 1002),
+    ("kyutai-empty-message", "kyutai", AUTH, "", b"", 1002),
+    ("kyutai-text-frame", "kyutai", AUTH, "", "hello", 1003),
+    ("kyutai-malformed-ogg", "kyutai", AUTH, "", b"\x01" + b"not an ogg stream" * 4, 1007),
+    ("kyutai-corrupt-opus", "kyutai", AUTH, "", b"\x01" + _ogg()[:40] + b"\xff" * 200, 1007),
+    ("kyutai-oversize", "kyutai", AUTH, "", b"\x01" + bytes(MAX_MESSAGE + 10), 1009),
+    ("kyutai-bad-query", "kyutai", AUTH, "text_temperature=hot", None, 1007),
+    ("kyutai-negative-topk", "kyutai", AUTH, "audio_topk=0", None, 1007),
+    ("kyutai-wrong-key", "kyutai", {"Authorization": "Bearer nope"}, "", None, 1008),
+    ("kyutai-no-key", "kyutai", {}, "", None, 1008),
+    ("kyutai-bad-origin", "kyutai", {**AUTH, "Origin": "http://evil.example"}, "", None, 1008),
+    ("realtime-malformed-json", "realtime", AUTH, "", '{"type": "input_audio_buffer.append", ', 1007),
+    ("realtime-not-an-event", "realtime", AUTH, "", "[1, 2, 3]", 1007),
+    ("realtime-bad-base64", "realtime", AUTH, "", '{"type": "input_audio_buffer.append", "audio": "@@@"}', 1007),
+    ("realtime-odd-pcm16", "realtime", AUTH, "", '{"type": "input_audio_buffer.append", "audio": "AAAA"}', 1007),
+    ("realtime-unknown-event", "realtime", AUTH, "", '{"type": "dance.start"}', 1002),
+    ("realtime-binary-frame", "realtime", AUTH, "", b"\x01\x02", 1003),
+    ("realtime-oversize", "realtime", AUTH, "", json.dumps({"type": "input_audio_buffer.append",
+                                                            "audio": "A" * MAX_MESSAGE}), 1009),
+    ("realtime-wrong-key", "realtime", {"Authorization": "Bearer nope"}, "", None, 1008),
+    ("realtime-bad-origin", "realtime", {**AUTH, "Origin": "http://evil.example"}, "", None, 1008),
+]
+
+
+@pytest.mark.parametrize("name,proto,headers,query,message,code", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_refused_and_the_server_keeps_serving(server, name, proto, headers, query, message, code):
+    async def main():
+        opener = kyutai_open if proto == "kyutai" else realtime_open
+        async with await opener(server, query, headers, max_size=None) as ws:
+            if message is not None:  # bad input inside an admitted session
+                if proto == "kyutai":
+                    await kyutai_greeting(ws)
+                else:
+                    assert json.loads(await ws.recv())["type"] == "session.created"
+                await ws.send(message)
+            got, received = await closed_with(ws)
+        await healthy_kyutai(server)
+        return got, received
+
+    got, received = run(main())
+    assert got == code
+    last = received[-1]
+    if proto == "kyutai":
+        assert isinstance(last, bytes) and last[0] == 5 and len(last) > 10  # error kind + a readable message
+    else:
+        error = json.loads(last)
+        assert error["type"] == "error" and error["error"]["code"] and error["error"]["message"]
+
+
+def test_allowed_origin_and_query_key_are_accepted(server):
+    async def main():
+        async with await kyutai_open(server, f"api_key={KEY}", {"Origin": ORIGIN}) as ws:
+            await kyutai_greeting(ws)
+            _, _, messages = await kyutai_exchange(ws, 3)
+            return messages
+
+    assert run(main()) == 2
+
+
+def test_silent_client_is_closed_after_the_idle_timeout(server):
+    async def main():
+        async with await realtime_open(server) as ws:
+            await ws.recv()  # session.created
+            started = time.monotonic()
+            code, received = await closed_with(ws)
+            return code, json.loads(received[-1]), time.monotonic() - started
+
+    code, error, elapsed = run(main())
+    assert code == 1000 and error["error"]["code"] == "idle_timeout"
+    assert IDLE * 0.8 < elapsed < IDLE + 3
+
+
+def test_flooding_and_stalled_clients_do_not_hurt_a_paced_session(server):
+    """One client sends 3 s of audio at once (input beyond the inbox is dropped and counted), another stops
+    reading (closed by the keep-alive), while a paced client gets every frame it is owed."""
+    server.wait_idle()
+    dropped_before = server.metric("duplexd_frames_dropped_total", '{direction="in"}')
+
+    async def flood():
+        async with await kyutai_open(server) as ws:
+            await kyutai_greeting(ws)
+            writer = sphn.OpusStreamWriter(RATE)
+            burst = b"".join(writer.append_pcm(tone(1)) for _ in range(40))
+            await ws.send(b"\x01" + burst)
+            await asyncio.sleep(1.0)
+
+    async def stall():
+        ws = await kyutai_open(server, max_queue=1, ping_interval=None)
+        await kyutai_greeting(ws)
+        writer = sphn.OpusStreamWriter(RATE)
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < 15:
+                await ws.send(b"\x01" + writer.append_pcm(tone(1)))
+                await asyncio.sleep(0.08)
+        except ConnectionClosed:
+            return time.monotonic() - started
+        finally:
+            await ws.close()
+        return None
+
+    async def paced():
+        async with await kyutai_open(server) as ws:
+            await kyutai_greeting(ws)
+            _, _, messages = await kyutai_exchange(ws, 40, pace=0.08)
+            return messages
+
+    async def main():
+        return await asyncio.gather(flood(), stall(), paced())
+
+    _, stalled_for, messages = run(main())
+    assert messages == 39
+    assert stalled_for is not None and stalled_for < 12  # the server closed the stalled reader
+    assert server.metric("duplexd_frames_dropped_total", '{direction="in"}') >= dropped_before + 10
+    server.wait_idle()
+
+
+CLIENT = """
+import asyncio, sys, numpy as np, sphn
+from websockets.asyncio.client import connect
+
+async def main():
+    async with connect(sys.argv[1], additional_headers={"Authorization": "Bearer " + sys.argv[2]}) as ws:
+        await ws.recv(); await ws.recv()
+        writer = sphn.OpusStreamWriter(24000)
+        frame = (0.3 * np.sin(np.arange(1920) / 10)).astype(np.float32)
+        got = 0
+        while True:
+            await ws.send(b"\\x01" + writer.append_pcm(frame))
+            while True:
+                try:
+                    msg = await asyncio.wait_for(ws.recv(), 0.02)
+                except asyncio.TimeoutError:
+                    break
+                if msg[0] == 1:
+                    got += 1
+                    if got == 5:
+                        print("streaming", flush=True)
+            await asyncio.sleep(0.06)
+
+asyncio.run(main())
+"""
+
+
+def test_killed_client_frees_its_slot(server):
+    server.wait_idle()
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, server.ws("/api/chat"), KEY], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "streaming", proc.stderr.read()
+        assert server.metric("duplexd_sessions_active") == 1
+        assert server.metric("duplexd_kv_pages_used") > 0
+        proc.kill()  # SIGKILL mid-stream: no close frame, the kernel resets the connection
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    server.wait_idle()
+    assert server.get("/ready").json()["admissible_sessions"] == 4
+
+
+class _Printer:
+    """What moshi.client's printers do, recorded."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.logs: list[tuple[str, str]] = []
+
+    def print_token(self, token: str) -> None:
+        self.tokens.append(token)
+
+    def log(self, level: str, msg: str) -> None:
+        self.logs.append((level, msg))
+
+    def print_header(self) -> None: ...
+    def print_pending(self) -> None: ...
+    def print_lag(self) -> None: ...
+
+
+class _Stream:
+    def __init__(self, **kw) -> None: ...
+    def __enter__(self): return self
+    def __exit__(self, *a) -> None: ...
+
+
+def test_reference_moshi_client_talks_to_the_server(server, monkeypatch):
+    """The installed reference client (`moshi.client.Connection`, aiohttp, its sphn Opus streams, its kind-byte
+    parsing) connects as it would to `python -m moshi.server`, streams microphone frames and plays the answer."""
+    aiohttp = pytest.importorskip("aiohttp")
+    monkeypatch.setitem(sys.modules, "sounddevice", types.SimpleNamespace(InputStream=_Stream, OutputStream=_Stream))
+    client = pytest.importorskip("moshi.client")
+    frames = 12
+
+    async def main():
+        printer = _Printer()
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(server.ws(f"/api/chat?api_key={KEY}")) as ws:
+                conn = client.Connection(printer, ws, event_loop=asyncio.get_running_loop())
+                receiver = asyncio.create_task(conn._recv_loop())
+                audio = tone(frames)
+                for i in range(frames):  # what the sounddevice input callback does for each 80 ms block
+                    conn._on_audio_input(audio[i * FRAME : (i + 1) * FRAME, None], FRAME, None, None)
+                    await asyncio.sleep(0.03)
+                deadline = time.monotonic() + 20
+                while conn._output_queue.qsize() < frames - 3 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                await ws.close()
+                await receiver
+        return printer, conn
+
+    printer, conn = run(main())
+    played = [conn._output_queue.get() for _ in range(conn._output_queue.qsize())]
+    assert len(played) >= frames - 3 and all(p.shape == (FRAME,) for p in played)
+    assert printer.tokens  # text messages decoded by the reference client
+    # the reference client ignores (logs) the metadata and handshake kinds, as it does with its own server
+    assert ("warning", "unknown message kind 4") in printer.logs
+    assert not [entry for entry in printer.logs if entry[0] == "error"]
