@@ -1,0 +1,199 @@
+"""Server pieces without a model: framing, query parsing, settings, Realtime events, latency matching, access
+checks, and the HTTP routes of an app whose engine is still warming up or failed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from starlette.requests import Request
+
+from duplexd.engine.config import ConfigError, SamplingParams
+from duplexd.engine.scheduler import EngineStats
+from duplexd.server import protocol
+from duplexd.server import realtime_events as ev
+from duplexd.server.access import access_denied, presented_key
+from duplexd.server.app import create_app
+from duplexd.server.closing import Close, CloseCode, close_for_session_end
+from duplexd.server.latency import FrameClock
+from duplexd.server.runtime import ModelInfo, Runtime
+from duplexd.server.sampling import max_frames_from_query, sampling_from_query
+from duplexd.server.settings import ServerSettings, parse_bytes
+
+
+def test_protocol_framing():
+    assert protocol.handshake() == b"\x00" + bytes(8)
+    assert protocol.audio(b"ogg") == b"\x01ogg"
+    assert protocol.text(" héllo") == b"\x02" + " héllo".encode()
+    assert protocol.error("full") == b"\x05full"
+    assert json.loads(protocol.metadata({"a": 1})[1:]) == {"a": 1}
+    msg = protocol.decode(b"\x03\x01")
+    assert msg.kind == protocol.Kind.CONTROL and msg.payload == b"\x01"
+    for bad in (b"", b"\x08", b"\xff abc"):
+        with pytest.raises(protocol.ProtocolError):
+            protocol.decode(bad)
+
+
+def test_sampling_from_query_uses_the_rust_server_names():
+    params = sampling_from_query({"text_temperature": "0.5", "text_topk": "10", "audio_temperature": "0",
+                                  "audio_topk": "5", "text_seed": "7", "pad_mult": "1.0", "email": "x"})
+    assert params == SamplingParams(0.5, 10, 0.0, 5, 7)
+    assert sampling_from_query({"audio_seed": "3", "text_seed": "7"}).seed == 3
+    defaults = sampling_from_query({})
+    assert (defaults.text_temperature, defaults.text_topk, defaults.audio_temperature, defaults.audio_topk) == (
+        0.7, 25, 0.8, 250)
+    assert len({sampling_from_query({}).seed for _ in range(3)}) > 1  # a fresh seed per session by default
+    for bad in ({"text_topk": "1.5"}, {"text_temperature": "nan"}, {"audio_topk": "0"}, {"seed": "x"}):
+        with pytest.raises(ConfigError):
+            sampling_from_query(bad)
+    assert max_frames_from_query({"max_steps": "100"}) == 100 and max_frames_from_query({}) is None
+    with pytest.raises(ConfigError):
+        max_frames_from_query({"max_steps": "0"})
+
+
+def test_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("DUPLEXD_PORT", "9000")
+    monkeypatch.setenv("DUPLEXD_DEVICES", "cuda:0, cuda:1")
+    monkeypatch.setenv("DUPLEXD_KV_MEMORY", "1.5GiB")
+    monkeypatch.setenv("DUPLEXD_ALLOWED_ORIGINS", "https://a.example,https://b.example")
+    monkeypatch.setenv("DUPLEXD_LOG_LEVEL", "DEBUG")
+    s = ServerSettings(port=9100)  # flags (init values) win over the environment
+    assert s.port == 9100 and s.devices == ["cuda:0", "cuda:1"] and s.kv_memory == int(1.5 * 2**30)
+    assert s.allowed_origins == ["https://a.example", "https://b.example"] and s.log_level == "debug"
+    assert s.demo and s.max_session_frames == 4500
+    assert parse_bytes("500MB") == 500 * 10**6 and parse_bytes("123") == 123
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    with pytest.raises(ValueError):
+        ServerSettings(ssl_certfile="cert.pem")  # a certificate without its key
+
+
+def test_realtime_audio_and_events():
+    pcm = np.linspace(-1, 1, 1920, dtype=np.float32)
+    decoded = ev.decode_audio({"audio": ev.encode_audio(pcm)})
+    assert decoded.dtype == np.float32 and np.abs(decoded - pcm).max() < 1e-4
+    for bad, error in (({"audio": "!!"}, "invalid_base64"), ({"audio": base64.b64encode(b"abc").decode()},
+                                                              "invalid_audio"), ({}, "invalid_audio")):
+        with pytest.raises(Close) as info:
+            ev.decode_audio(bad)
+        assert info.value.code == CloseCode.INVALID_PAYLOAD and info.value.error == error
+    with pytest.raises(Close):
+        ev.parse_event("{")
+    with pytest.raises(Close):
+        ev.parse_event('{"no": "type"}')
+    params = ev.sampling_update({"session": {"sampling": {"audio_topk": 7}, "instructions": "ignored"}},
+                                SamplingParams(seed=1))
+    assert params == SamplingParams(audio_topk=7, seed=1)
+    for session, code in (({"sampling": {"audio_topk": 0}}, "invalid_value"), ({"sampling": {"pitch": 1}},
+                                                                                "invalid_value"),
+                          ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "unsupported_audio_format"),
+                          ({"input_audio_format": "g711_ulaw"}, "unsupported_audio_format")):
+        with pytest.raises(ev.RealtimeError) as info:
+            ev.sampling_update({"session": session}, SamplingParams())
+        assert info.value.code == code
+    delta = json.loads(ev.audio_delta("r", "i", pcm))
+    assert delta["type"] == "response.output_audio.delta" and len(base64.b64decode(delta["delta"])) == 3840
+    error = json.loads(ev.error_event("capacity", "full", kind="server_error"))
+    assert error["type"] == "error" and error["error"]["code"] == "capacity" and error["event_id"]
+
+
+def test_close_reasons():
+    assert close_for_session_end("max_frames").code == CloseCode.NORMAL
+    assert close_for_session_end("engine_stopped").code == CloseCode.GOING_AWAY
+    assert close_for_session_end("engine_error").code == CloseCode.INTERNAL_ERROR
+    assert len(Close(CloseCode.NORMAL, "x", "é" * 100).reason.encode()) <= 123
+
+
+def test_frame_clock_matches_outputs_to_their_inputs():
+    clock = FrameClock(frame_size=4)
+    clock.pushed(6, dropped=0, now=1.0)  # input frame 0 (+2 samples buffered)
+    clock.pushed(6, dropped=0, now=2.0)  # frames 1 and 2 complete
+    clock.pushed(8, dropped=1, now=3.0)  # frame 3 in, one dropped
+    assert clock.delay(0, now=2.5) == pytest.approx(0.5)  # output 0 answers input frame 1
+    assert clock.delay(2, now=3.5) == pytest.approx(0.5)  # output 1 was dropped from the outbox: skip it
+    assert clock.delay(3, now=4.0) is None  # nothing pushed for it
+
+
+def _conn(headers: dict[str, str], query: str = "") -> Request:
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "headers": raw, "query_string": query.encode(), "path": "/"})
+
+
+def test_access_checks():
+    assert access_denied(_conn({}), None, []) is None
+    for headers, query in (({"Authorization": "Bearer k"}, ""), ({"kyutai-api-key": "k"}, ""), ({}, "api_key=k"),
+                           ({"Sec-WebSocket-Protocol": "realtime, openai-insecure-api-key.k"}, "")):
+        assert presented_key(_conn(headers, query)) == "k"
+        assert access_denied(_conn(headers, query), "k", []) is None
+    assert access_denied(_conn({"Authorization": "Bearer x"}), "k", [])[0] == "invalid_api_key"
+    assert access_denied(_conn({}), "k", [])[0] == "invalid_api_key"
+    allowed = ["https://ok.example"]
+    assert access_denied(_conn({"Origin": "https://ok.example"}), None, allowed) is None
+    assert access_denied(_conn({}), None, allowed) is None  # not a browser
+    assert access_denied(_conn({"Origin": "https://evil.example"}), None, allowed)[0] == "origin_not_allowed"
+
+
+class _FakeEngine:
+    """What the server uses of an engine, with a warm-up that waits until the test lets it finish."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.ready, self.fail, self.release = False, fail, threading.Event()
+        self.config = SimpleNamespace(max_sessions=2)
+        self.device = "cpu"
+
+    def start(self) -> None:
+        self.release.wait(10)
+        if self.fail:
+            raise RuntimeError("out of memory")
+        self.ready = True
+
+    def stop(self) -> None:
+        self.ready = False
+
+    def on_step(self, callback):
+        return lambda: None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(2, 0, 2, 10, 0, 0, 0, 0, 0, "cpu")
+
+
+def _app(engine: _FakeEngine):
+    info = ModelInfo("m", "lm", "mimi", "tok", True, 24000, 1920, ("cpu",))
+    return create_app(ServerSettings(api_key="k"), Runtime([engine], info))
+
+
+def test_ready_only_once_warm():
+    engine = _FakeEngine()
+    with TestClient(_app(engine)) as client:
+        assert client.get("/health").json()["status"] == "ok"
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["reason"] == "warming up"
+        assert "duplexd_ready 0.0" in client.get("/metrics").text
+        with client.websocket_connect("/api/chat", headers={"kyutai-api-key": "k"}) as ws:
+            assert ws.receive_bytes().startswith(b"\x05")  # refused while warming, never a hang
+        engine.release.set()
+        for _ in range(200):
+            if client.get("/ready").status_code == 200:
+                break
+            threading.Event().wait(0.01)
+        assert client.get("/ready").json() == {"ready": True, "warm": True, "admissible_sessions": 2, "capacity": 2}
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "m"
+
+
+def test_failed_warm_up_shows_in_health():
+    engine = _FakeEngine(fail=True)
+    engine.release.set()
+    with TestClient(_app(engine)) as client:
+        for _ in range(200):
+            if client.get("/health").status_code == 503:
+                break
+            threading.Event().wait(0.01)
+        health = client.get("/health")
+        assert health.status_code == 503 and "out of memory" in health.json()["error"]
+        assert client.get("/ready").status_code == 503
