@@ -16,6 +16,8 @@ from duplexd.engine.demo import ensure_demo
 from duplexd.engine.errors import CheckpointError
 from duplexd.engine.lm_gen import LMGen
 from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.clients import chat
+from duplexd.clients import loadtest_cli as loadtest
 from duplexd.server import cli as serve
 
 logger = logging.getLogger("duplexd")
@@ -73,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     infer.add_parser(sub)
     serve.add_parser(sub)
+    chat.add_parser(sub)
+    loadtest.add_parser(sub)
     return parser
 
 

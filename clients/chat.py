@@ -1,0 +1,143 @@
+"""`duplexd chat IN --out OUT.wav`: talk to a server with an audio file, save what the model says.
+
+The file is streamed at real-time pace (the server's clock is the listener's), or with `--fast` as quickly as the
+server answers: at most `window` frames ahead of its replies, so the server's bounded inbox never drops any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .audio import FRAME_SECONDS, FRAME_SIZE, frames, read_audio, write_wav
+from .cli_args import add_connection_args, connect_options
+from .connection import ConnectionFailed, ConnectOptions, open_connection
+from .pacing import Pacer
+
+
+@dataclass
+class ChatResult:
+    pcm: np.ndarray  # the model's speech, 24 kHz float32
+    text: str
+    frames_sent: int
+    frames_received: int
+    info: dict = field(default_factory=dict)  # the server's session metadata
+    close_code: int | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+async def chat(pcm: np.ndarray, options: ConnectOptions, *, fast: bool = False, window: int = 8,
+               drain: float = 2.0, on_text: Callable[[str], None] | None = None) -> ChatResult:
+    """Stream `pcm` (24 kHz mono) to the server and collect its answer. Raises `ConnectionFailed`/`Refused`."""
+    conn = open_connection(options)
+    await conn.open()
+    chunks: list[np.ndarray] = []
+    text: list[str] = []
+    errors: list[str] = []
+    received = 0
+    progress = asyncio.Event()
+
+    async def receive() -> None:
+        nonlocal received
+        samples = 0
+        async for event in conn.events():
+            if event.kind == "audio" and event.pcm is not None:
+                chunks.append(event.pcm)
+                samples += len(event.pcm)
+                received = samples // FRAME_SIZE
+                progress.set()
+            elif event.kind == "text":
+                text.append(event.text)
+                if on_text:
+                    on_text(event.text)
+            elif event.kind == "error":
+                errors.append(event.text)
+
+    receiver = asyncio.create_task(receive())
+    frame_list = frames(pcm)
+    sent = 0
+    try:
+        pacer = Pacer(time.monotonic(), FRAME_SECONDS)
+        for frame in frame_list:
+            if receiver.done():
+                break
+            if fast:
+                while sent - received >= window and not receiver.done():
+                    progress.clear()
+                    try:
+                        await asyncio.wait_for(progress.wait(), drain)
+                    except asyncio.TimeoutError:
+                        break  # the server stopped answering: send on, the drain decides
+            else:
+                await pacer.wait()
+                pacer.mark()
+            await conn.send(frame)
+            sent += 1
+        # Drain: until every frame is answered, or no answer for `drain` seconds.
+        while received < sent and not receiver.done():
+            progress.clear()
+            try:
+                await asyncio.wait_for(progress.wait(), drain)
+            except asyncio.TimeoutError:
+                break
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(conn.close(), 2.0)
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(receiver, 2.0)
+        receiver.cancel()
+    out = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    return ChatResult(out, "".join(text), sent, received, conn.info, conn.close_code, errors)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        pcm = read_audio(args.input)
+    except Exception as e:  # noqa: BLE001 - soundfile raises several kinds; all mean the same to the user
+        print(f"duplexd chat: cannot read {args.input}: {e}", file=sys.stderr)
+        return 2
+    options = connect_options(args)
+    mode = "as fast as the server answers" if args.fast else "at real-time pace"
+    print(f"streaming {len(pcm) / 24000:.1f} s of {args.input} to {options.url} ({options.protocol}) {mode}",
+          file=sys.stderr)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        result = asyncio.run(chat(pcm, options, fast=args.fast, drain=args.drain, on_text=show))
+    except ConnectionFailed as e:
+        code = f" (close code {e.code})" if e.code else ""
+        print(f"\nduplexd chat: {'refused' if code else 'failed'}: {e.message}{code}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    if result.info.get("demo"):
+        print("note: the server runs the demo model (random weights): it speaks noise", file=sys.stderr)
+    write_wav(args.out, result.pcm)
+    if args.text_out:
+        with open(args.text_out, "w", encoding="utf-8") as f:
+            f.write(result.text)
+    print(f"sent {result.frames_sent} frames, received {result.frames_received}; "
+          f"wrote {len(result.pcm) / 24000:.2f} s to {args.out}", file=sys.stderr)
+    for error in result.errors:
+        print(f"server error: {error}", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="talk to a server with an audio file; save the model's speech and print its text")
+    p.add_argument("input", help="input audio (any format soundfile reads; resampled to 24 kHz mono)")
+    p.add_argument("--out", required=True, help="output WAV (24 kHz) of the model's speech")
+    p.add_argument("--text-out", help="also write the model's text to this file")
+    p.add_argument("--fast", action="store_true", help="do not pace: send as fast as the server answers")
+    p.add_argument("--drain", type=float, default=2.0, help="seconds to wait for the last answers")
+    add_connection_args(p)
+    p.set_defaults(func=run)
