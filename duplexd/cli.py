@@ -10,14 +10,14 @@ import time
 import torch
 
 from duplexd import infer
+from duplexd.clients import chat
+from duplexd.clients import loadtest_cli as loadtest
 from duplexd.engine.checkpoint import load_lm
 from duplexd.engine.config import ConfigError, SamplingParams
 from duplexd.engine.demo import ensure_demo
 from duplexd.engine.errors import CheckpointError
 from duplexd.engine.lm_gen import LMGen
 from duplexd.engine.tokenizer import TextTokenizer
-from duplexd.clients import chat
-from duplexd.clients import loadtest_cli as loadtest
 from duplexd.server import cli as serve
 
 logger = logging.getLogger("duplexd")
