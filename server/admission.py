@@ -50,9 +50,11 @@ async def serve(ctx: ServerContext, adapter: Adapter, subprotocol: str | None,
     pump = Pump(adapter, session, ctx.limits, metrics, ctx.runtime.info.frame_size)
     try:
         await admitted(pump)
-    except Exception:  # noqa: BLE001 - the client went away during the greeting
+    except BaseException as e:  # the client went away during the greeting, or the server is stopping
         pump.session.close("client")
-        metrics.closed.labels("client").inc()
+        metrics.closed.labels("lost").inc()
+        if not isinstance(e, Exception):
+            raise
         return
     end = await pump.run()
     logger.info("%s session %s ended: %s", adapter.name, pump.session.id, end.error if isinstance(end, Close) else end)
