@@ -15,6 +15,7 @@ from .context import ServerContext
 from .metrics import Metrics
 from .runtime import Runtime
 from .settings import ServerSettings
+from .static import WebClient, static_dir
 from .version import VERSION
 
 logger = logging.getLogger(__name__)
@@ -51,4 +52,8 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(kyutai.router)
     app.include_router(realtime.router)
+    web = static_dir(settings.static)
+    if web is not None:
+        app.mount("/", WebClient(web), name="web")
+        logger.info("serving the web client from %s at /", web)
     return app

@@ -15,7 +15,7 @@ logger = logging.getLogger("duplexd.server")
 _FIELDS = ("host", "port", "ssl_certfile", "ssl_keyfile", "moshi_weight", "mimi_weight", "tokenizer", "config",
            "hf_repo", "mimi_preset", "dtype", "max_sessions", "kv_memory", "max_pending_frames",
            "max_output_frames", "api_key", "allowed_origins", "max_session_seconds", "idle_timeout", "send_timeout",
-           "max_message_bytes", "ws_ping_interval", "ws_ping_timeout", "log_level", "instance_name")
+           "max_message_bytes", "ws_ping_interval", "ws_ping_timeout", "log_level", "instance_name", "static")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     acc = p.add_argument_group("access")
     acc.add_argument("--api-key", help="require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)")
     acc.add_argument("--allowed-origins", help="comma-separated browser origins allowed to connect (default any)")
+    p.add_argument("--static", metavar="DIR", help="serve DIR at / (default auto: the bundled web client; none)")
     p.add_argument("--instance-name", help="name announced in the Kyutai metadata message")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
     p.set_defaults(func=run)
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     for path in (settings.ssl_certfile, settings.ssl_keyfile):
         if path and not Path(path).is_file():
             raise CheckpointError(f"TLS file not found: {path}")
+    if settings.static not in ("auto", "none") and not Path(settings.static).is_dir():
+        raise CheckpointError(f"static directory not found: {settings.static}")
     url = f"{settings.scheme}://{settings.host}:{settings.port}"
     what = "the DEMO model (random weights: it speaks noise)" if settings.demo else "the given weights"
     logger.info("duplexd serve: %s on %s, %d sessions per device, at %s", what, ",".join(settings.devices),

@@ -66,6 +66,7 @@ class ServerSettings(BaseSettings):
     late_frame_seconds: float = Field(0.08, gt=0)  # input-to-output delay beyond which an output frame is late
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     instance_name: str = "duplexd"
+    static: str = "auto"  # browser client at `/`: auto (the bundled one, if installed), none, or a directory
 
     @field_validator("devices", "allowed_origins", mode="before")
     @classmethod

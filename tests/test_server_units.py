@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from starlette.requests import Request
+from starlette.websockets import WebSocketDisconnect
 
 from duplexd.engine.config import ConfigError, SamplingParams
 from duplexd.engine.scheduler import EngineStats
@@ -197,3 +198,20 @@ def test_failed_warm_up_shows_in_health():
         health = client.get("/health")
         assert health.status_code == 503 and "out of memory" in health.json()["error"]
         assert client.get("/ready").status_code == 503
+
+
+def test_static_web_client_after_the_api(tmp_path):
+    (tmp_path / "index.html").write_text("<h1>duplexd</h1>")
+    engine = _FakeEngine()
+    engine.release.set()
+    info = ModelInfo("m", "lm", "mimi", "tok", True, 24000, 1920, ("cpu",))
+    app = create_app(ServerSettings(static=str(tmp_path)), Runtime([engine], info))
+    with TestClient(app) as client:
+        assert client.get("/").text == "<h1>duplexd</h1>"
+        assert client.get("/health").json()["status"] == "ok"  # the API wins over the files
+        assert client.get("/nothing.js").status_code == 404
+        with pytest.raises(WebSocketDisconnect):  # a WebSocket to an unknown path is refused, not crashed
+            with client.websocket_connect("/nowhere"):
+                pass
+    none = create_app(ServerSettings(static="none"), Runtime([_FakeEngine()], info))
+    assert not [r for r in none.routes if getattr(r, "name", "") == "web"]
