@@ -66,6 +66,11 @@ class KyutaiAdapter(Adapter):
         await self.send_bytes(protocol.error(close.message))
 
 
+def _name(path: str) -> str:
+    """A weight file's name without the server's directories."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def metadata(ctx: ServerContext, pump: Pump) -> dict:
     """What the Rust server announces before its handshake, plus the session's id, seed and length limit."""
     params, info = pump.session.params, ctx.runtime.info
@@ -73,7 +78,8 @@ def metadata(ctx: ServerContext, pump: Pump) -> dict:
         "text_temperature": params.text_temperature, "text_topk": params.text_topk,
         "audio_temperature": params.audio_temperature, "audio_topk": params.audio_topk,
         "pad_mult": 0.0, "repetition_penalty_context": 0, "repetition_penalty": 1.0,
-        "lm_model_file": info.lm_file, "mimi_model_file": info.mimi_file, "model": info.id, "demo": info.demo,
+        "lm_model_file": _name(info.lm_file), "mimi_model_file": _name(info.mimi_file),
+        "model": info.id, "demo": info.demo,
         "build_info": {"server": "duplexd", "version": VERSION},
         "instance_name": ctx.settings.instance_name,
         "session_id": pump.session.id, "seed": params.seed, "max_steps": pump.session.max_frames,

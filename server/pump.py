@@ -183,8 +183,8 @@ class Pump:
             if not done:
                 outcome: BaseException | None = Close(CloseCode.NORMAL, "max_session_length",
                                                       "maximum session length reached")
-            else:
-                outcome = next(iter(done)).exception()
+            else:  # when both ended, the reader's reason is the cause (the writer only saw the session end)
+                outcome = (tasks[0] if tasks[0] in done else next(iter(done))).exception()
         finally:
             for task in tasks:
                 task.cancel()
