@@ -215,3 +215,32 @@ def test_static_web_client_after_the_api(tmp_path):
                 pass
     none = create_app(ServerSettings(static="none"), Runtime([_FakeEngine()], info))
     assert not [r for r in none.routes if getattr(r, "name", "") == "web"]
+
+
+def test_runtime_admits_on_the_engine_with_most_room():
+    from duplexd.engine.errors import CapacityError
+
+    class Engine(_FakeEngine):
+        def __init__(self, room: int, full: bool = False) -> None:
+            super().__init__()
+            self.ready, self.room, self.full, self.opened = True, room, full, 0
+
+        def stats(self) -> EngineStats:
+            return EngineStats(2, 2 - self.room, self.room, 10, 0, 0, 0, 0, 0, "cpu")
+
+        def open_session(self, params, max_frames=None):
+            if self.full:
+                raise CapacityError("no KV pages")
+            self.opened += 1
+            return "session"
+
+    info = ModelInfo("m", "lm", "mimi", "tok", True, 24000, 1920, ("cuda:0", "cuda:1"))
+    a, b = Engine(room=1), Engine(room=2)
+    runtime = Runtime([a, b], info)
+    assert runtime.open_session(SamplingParams()) == "session" and (a.opened, b.opened) == (0, 1)
+    assert runtime.admissible() == 3 and runtime.capacity() == 4
+    b.full = True  # stats say there is room, admission says no: the next engine is tried
+    assert runtime.open_session(SamplingParams()) == "session" and a.opened == 1
+    a.full = True
+    with pytest.raises(CapacityError, match="KV pages"):
+        runtime.open_session(SamplingParams())
