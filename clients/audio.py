@@ -56,7 +56,7 @@ def speech_like(seconds: float, seed: int = 0, sample_rate: int = SAMPLE_RATE) -
             formants = rng.uniform([300, 900, 2200], [800, 1800, 3000])
             voice = sum(np.sin(k * phase) / k * _resonance(k * f0, formants) for k in range(1, 25))
             envelope = np.sin(np.pi * np.arange(n) / n) ** 0.6
-            out[pos : pos + n] = 0.25 * envelope * voice / 3
+            out[pos : pos + n] = 0.8 * envelope * voice / 3
             pos += n + int(rng.uniform(0.01, 0.06) * sample_rate)
         pos += int(rng.uniform(0.25, 0.7) * sample_rate)
     noise = rng.normal(0, 0.002, total).astype(np.float32)

@@ -93,7 +93,7 @@ def underruns(received: list[float], cfg: StatsConfig) -> tuple[int, float]:
     clock = received[0] + cfg.jitter_buffer  # when frame 0 starts playing
     count, stalled = 0, 0.0
     for arrival in received:
-        if arrival > clock:
+        if arrival > clock + 1e-9:
             count += 1
             stalled += arrival - clock
             clock = arrival

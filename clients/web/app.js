@@ -1,0 +1,227 @@
+// duplexd browser voice chat: microphone → /v1/realtime (base64 pcm16, 24 kHz) → the model's voice and text.
+// No build step and no codec: the OpenAI Realtime subset carries raw pcm16, so the browser needs no Opus.
+
+const RATE = 24000;
+const FRAME = 1920; // 80 ms
+const $ = (id) => document.getElementById(id);
+
+const ui = {
+  state: $("state"), message: $("message"), demo: $("demo-note"), text: $("text"), start: $("start"),
+  stop: $("stop"), inLevel: $("in-level"), outLevel: $("out-level"), frames: $("frames-received"),
+  firstAudio: $("first-audio"), buffered: $("buffered"), underruns: $("underruns"), model: $("model-id"),
+};
+
+let chat = null; // the running conversation, if any
+
+function setState(state, label) {
+  ui.state.className = `state ${state}`;
+  ui.state.dataset.state = state;
+  ui.state.textContent = label || state;
+}
+
+function showMessage(text) {
+  ui.message.textContent = text;
+  ui.message.hidden = !text;
+}
+
+function meter(el, rms) {
+  const db = 20 * Math.log10(Math.max(rms, 1e-5)); // -100 .. 0 dBFS, shown from -60
+  el.style.width = `${Math.max(0, Math.min(100, ((db + 60) / 60) * 100)).toFixed(0)}%`;
+}
+
+function toBase64(int16) {
+  const bytes = new Uint8Array(int16.buffer, int16.byteOffset, int16.byteLength);
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+  return btoa(binary);
+}
+
+function fromBase64(b64) {
+  const binary = atob(b64);
+  const count = binary.length >> 1;
+  const out = new Float32Array(count);
+  for (let i = 0; i < count; i++) {
+    let v = binary.charCodeAt(2 * i) | (binary.charCodeAt(2 * i + 1) << 8);
+    if (v >= 0x8000) v -= 0x10000;
+    out[i] = v / 32768;
+  }
+  return out;
+}
+
+function pcm16(frame) {
+  const out = new Int16Array(frame.length);
+  for (let i = 0; i < frame.length; i++) out[i] = Math.max(-1, Math.min(1, frame[i])) * 32767;
+  return out;
+}
+
+function settings() {
+  const query = new URLSearchParams();
+  for (const name of ["text_temperature", "text_topk", "audio_temperature", "audio_topk", "seed"]) {
+    const value = $(name).value.trim();
+    if (value !== "") query.set(name, value);
+  }
+  return query;
+}
+
+function endpoint(query) {
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  return `${scheme}//${location.host}/v1/realtime?${query}`;
+}
+
+const REFUSALS = {
+  resource_exhausted: "The server is full: every session slot is in use. Try again in a moment.",
+  capacity: "The server is full: every session slot is in use. Try again in a moment.",
+  invalid_api_key: "The server refused the API key. Enter the right key under Settings.",
+  origin_not_allowed: "The server does not accept connections from this page's origin.",
+  invalid_parameter: "The server refused a sampling setting",
+};
+
+async function start() {
+  showMessage("");
+  if (!window.isSecureContext || !navigator.mediaDevices) {
+    setState("error");
+    showMessage("The microphone needs a secure page: open this over https:// (duplexd serve --ssl DIR) or " +
+                "on http://localhost.");
+    return;
+  }
+  ui.start.disabled = true;
+  ui.stop.disabled = false;
+  ui.text.textContent = "";
+  ui.frames.textContent = "0";
+  ui.firstAudio.textContent = "–";
+  setState("connecting", "opening microphone");
+  const c = { userClosed: false, admitted: false, frames: 0, sentAt: null, closeInfo: null };
+  chat = c;
+  try {
+    c.context = new AudioContext({ sampleRate: RATE, latencyHint: "interactive" });
+    await c.context.audioWorklet.addModule("capture-worklet.js");
+    await c.context.audioWorklet.addModule("player-worklet.js");
+    c.stream = await navigator.mediaDevices.getUserMedia({
+      audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+    });
+  } catch (e) {
+    stop(`Cannot open the microphone: ${e.message || e}`, "error");
+    return;
+  }
+  const prebuffer = Math.round((Number($("jitter_ms").value) || 160) * RATE / 1000);
+  c.player = new AudioWorkletNode(c.context, "player-processor",
+                                  { outputChannelCount: [1], processorOptions: { prebuffer, maxBuffer: RATE } });
+  c.player.connect(c.context.destination);
+  c.player.port.onmessage = (e) => {
+    meter(ui.outLevel, e.data.level);
+    ui.buffered.textContent = Math.round((e.data.buffered * 1000) / RATE);
+    ui.underruns.textContent = e.data.underruns;
+  };
+  c.capture = new AudioWorkletNode(c.context, "capture-processor",
+                                   { numberOfOutputs: 0, processorOptions: { frameSize: FRAME } });
+  c.source = c.context.createMediaStreamSource(c.stream);
+  c.source.connect(c.capture);
+  c.capture.port.onmessage = (e) => {
+    meter(ui.inLevel, e.data.level);
+    if (c.admitted && c.ws.readyState === WebSocket.OPEN) {
+      c.ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: toBase64(pcm16(e.data.frame)) }));
+      if (c.sentAt === null) c.sentAt = performance.now();
+    }
+  };
+  await c.context.resume();
+
+  setState("connecting", "connecting");
+  const protocols = ["realtime"];
+  const key = $("api_key").value.trim();
+  if (key) protocols.push(`openai-insecure-api-key.${key}`);
+  c.ws = new WebSocket(endpoint(settings()), protocols);
+  c.ws.onopen = () => { if (chat === c) setState("waiting", "waiting for a session"); };
+  c.ws.onmessage = (e) => onEvent(c, JSON.parse(e.data));
+  c.ws.onclose = (e) => onClose(c, e);
+}
+
+function onEvent(c, event) {
+  if (chat !== c) return;
+  switch (event.type) {
+    case "session.created":
+      c.admitted = true;
+      setState("live", "live");
+      if (event.session && event.session.model) ui.model.textContent = `model ${event.session.model}`;
+      break;
+    case "response.output_audio.delta":
+    case "response.audio.delta": {
+      const pcm = fromBase64(event.delta || "");
+      c.player.port.postMessage(pcm, [pcm.buffer]);
+      c.frames += 1;
+      ui.frames.textContent = String(c.frames);
+      if (c.frames === 1 && c.sentAt !== null) ui.firstAudio.textContent = `${Math.round(performance.now() - c.sentAt)} ms`;
+      break;
+    }
+    case "response.output_audio_transcript.delta":
+    case "response.audio_transcript.delta":
+      ui.text.textContent += event.delta || "";
+      ui.text.scrollTop = ui.text.scrollHeight;
+      break;
+    case "error": {
+      const err = event.error || {};
+      const known = REFUSALS[err.code];
+      c.closeInfo = known ? `${known}${err.code === "invalid_parameter" ? `: ${err.message}` : ""}`
+                          : `Server error (${err.code}): ${err.message}`;
+      if (!c.admitted || !known) showMessage(c.closeInfo);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+function onClose(c, e) {
+  if (chat !== c) return;
+  if (c.userClosed) return;
+  let text;
+  if (!c.admitted) {
+    text = c.closeInfo || (e.code === 1013 ? REFUSALS.resource_exhausted
+      : `The server refused the session (close ${e.code}${e.reason ? `: ${e.reason}` : ""}).`);
+    stop(text, "refused");
+  } else if (e.code === 1000) {
+    stop(`The session ended: ${e.reason || "closed by the server"}.`, "idle");
+  } else {
+    text = `Connection lost (close ${e.code}${e.reason ? `: ${e.reason}` : ""}). Press Start to reconnect.`;
+    stop(text, "lost");
+  }
+}
+
+function stop(message, state) {
+  const c = chat;
+  chat = null;
+  if (c) {
+    c.userClosed = true;
+    if (c.ws && c.ws.readyState <= WebSocket.OPEN) c.ws.close(1000, "user stopped");
+    if (c.stream) c.stream.getTracks().forEach((t) => t.stop());
+    if (c.context) c.context.close();
+  }
+  ui.start.disabled = false;
+  ui.stop.disabled = true;
+  meter(ui.inLevel, 0);
+  meter(ui.outLevel, 0);
+  setState(state || "idle", state === "lost" ? "connection lost" : state);
+  if (message) showMessage(message);
+}
+
+async function describeServer() {
+  try {
+    const response = await fetch("v1/models");
+    if (response.status === 401) {
+      $("settings").open = true;
+      showMessage("This server needs an API key: enter it under Settings.");
+      return;
+    }
+    const body = await response.json();
+    const model = body.data && body.data[0];
+    if (model) {
+      ui.demo.hidden = !model.demo;
+      ui.model.textContent = `model ${model.id}`;
+    }
+  } catch (e) {
+    showMessage(`Cannot reach the server: ${e.message || e}`);
+  }
+}
+
+ui.start.addEventListener("click", start);
+ui.stop.addEventListener("click", () => stop("", "idle"));
+describeServer();
