@@ -18,7 +18,7 @@ import numpy as np
 
 from .audio import FRAME_SECONDS, FRAME_SIZE, frames, read_audio, write_wav
 from .cli_args import add_connection_args, connect_options
-from .connection import ConnectionFailed, ConnectOptions, open_connection
+from .connection import ConnectionFailed, ConnectOptions, describe_server, open_connection
 from .pacing import Pacer
 
 
@@ -34,8 +34,12 @@ class ChatResult:
 
 
 async def chat(pcm: np.ndarray, options: ConnectOptions, *, fast: bool = False, window: int = 8,
-               drain: float = 2.0, on_text: Callable[[str], None] | None = None) -> ChatResult:
-    """Stream `pcm` (24 kHz mono) to the server and collect its answer. Raises `ConnectionFailed`/`Refused`."""
+               drain: float = 2.0, output_delay: int = 1,
+               on_text: Callable[[str], None] | None = None) -> ChatResult:
+    """Stream `pcm` (24 kHz mono) to the server and collect its answer. Raises `ConnectionFailed`/`Refused`.
+
+    The answer is complete once `sent - output_delay` frames are back (Moshi's first input frame only fills
+    its acoustic delay) or nothing arrived for `drain` seconds."""
     conn = open_connection(options)
     await conn.open()
     chunks: list[np.ndarray] = []
@@ -81,7 +85,7 @@ async def chat(pcm: np.ndarray, options: ConnectOptions, *, fast: bool = False, 
             await conn.send(frame)
             sent += 1
         # Drain: until every frame is answered, or no answer for `drain` seconds.
-        while received < sent and not receiver.done():
+        while received < sent - output_delay and not receiver.done():
             progress.clear()
             try:
                 await asyncio.wait_for(progress.wait(), drain)
@@ -119,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nduplexd chat: {'refused' if code else 'failed'}: {e.message}{code}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
-    if result.info.get("demo"):
+    model = describe_server(options) or {}
+    if result.info.get("demo") or model.get("demo"):
         print("note: the server runs the demo model (random weights): it speaks noise", file=sys.stderr)
     write_wav(args.out, result.pcm)
     if args.text_out:

@@ -8,6 +8,8 @@ and message; anything else that goes wrong is a `ConnectionFailed`.
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -182,3 +184,18 @@ def encode_stream(protocol: str, frames: list[np.ndarray]) -> list[str | bytes]:
     from .realtime import encode_stream as realtime_stream
 
     return list(realtime_stream(frames))
+
+
+def describe_server(options: ConnectOptions, timeout: float = 5.0) -> dict | None:
+    """The server's first `/v1/models` entry (id, demo, ...), or None when it cannot be had (best effort)."""
+    parts = urlsplit(options.url if "://" in options.url else f"ws://{options.url}")
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    request = urllib.request.Request(urlunsplit((scheme, parts.netloc, "/v1/models", "", "")))
+    if options.api_key:
+        request.add_header("Authorization", f"Bearer {options.api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            data = json.loads(response.read().decode("utf-8")).get("data") or []
+    except (OSError, ValueError):
+        return None
+    return data[0] if data and isinstance(data[0], dict) else None
