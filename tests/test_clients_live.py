@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
@@ -33,9 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class LiveServer:
+    url: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen
+
+
 @contextlib.contextmanager
-def running_server(cache: Path, log: Path, *args: str) -> Iterator[str]:
-    """A `duplexd serve` subprocess on a free port, ready (warm) when this yields its http:// address."""
+def running_server(cache: Path, log: Path, *args: str) -> Iterator[LiveServer]:
+    """A `duplexd serve` subprocess on a free port, ready (warm) when this yields."""
     port = free_port()
     env = {**os.environ, "DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     with open(log, "wb") as out:
@@ -51,7 +58,7 @@ def running_server(cache: Path, log: Path, *args: str) -> Iterator[str]:
                     break
             assert time.monotonic() < deadline, f"server not ready: {log.read_text()[-2000:]}"
             time.sleep(0.2)
-        yield url
+        yield LiveServer(url, proc)
     finally:
         proc.terminate()
         try:
@@ -65,8 +72,8 @@ def running_server(cache: Path, log: Path, *args: str) -> Iterator[str]:
 def server(tmp_path_factory) -> Iterator[str]:
     cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
     log = tmp_path_factory.mktemp("clients-server") / "serve.log"
-    with running_server(cache, log, "--max-sessions", str(SLOTS)) as url:
-        yield url
+    with running_server(cache, log, "--max-sessions", str(SLOTS)) as live:
+        yield live.url
 
 
 def wait_idle(url: str) -> None:

@@ -108,6 +108,7 @@ async function start() {
                                   { outputChannelCount: [1], processorOptions: { prebuffer, maxBuffer: RATE } });
   c.player.connect(c.context.destination);
   c.player.port.onmessage = (e) => {
+    if (chat !== c) return;
     meter(ui.outLevel, e.data.level);
     ui.buffered.textContent = Math.round((e.data.buffered * 1000) / RATE);
     ui.underruns.textContent = e.data.underruns;
@@ -117,6 +118,7 @@ async function start() {
   c.source = c.context.createMediaStreamSource(c.stream);
   c.source.connect(c.capture);
   c.capture.port.onmessage = (e) => {
+    if (chat !== c) return;
     meter(ui.inLevel, e.data.level);
     if (c.admitted && c.ws.readyState === WebSocket.OPEN) {
       c.ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: toBase64(pcm16(e.data.frame)) }));

@@ -1,0 +1,126 @@
+"""The browser voice chat in a real headless Chromium (Debian's, driven by Playwright), against `duplexd serve`.
+
+Chromium's fake media flags feed the microphone from a WAV file, so the page really captures, streams, plays and
+shows text. Screenshots are saved in the test's tmp dir and copied to out/ (git-ignored) for a look.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from duplexd.clients.audio import speech_like, write_wav
+from duplexd.clients.connection import ConnectOptions, open_connection
+
+from .test_clients_live import running_server
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+sync_api = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (.ci/run)")
+OUT = Path(__file__).resolve().parents[1] / "out"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
+    log = tmp_path_factory.mktemp("web-server") / "serve.log"
+    with running_server(cache, log, "--max-sessions", "1") as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    wav = tmp_path_factory.mktemp("mic") / "mic.wav"
+    write_wav(str(wav), speech_like(4.0, seed=5))
+    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--use-fake-device-for-media-stream",
+            "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={wav}",
+            "--autoplay-policy=no-user-gesture-required"]
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context()
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    yield page
+    context.close()
+    assert not errors, errors
+
+
+def save(page, tmp_path: Path, name: str) -> Path:
+    shot = tmp_path / name
+    page.screenshot(path=str(shot), full_page=True)
+    OUT.mkdir(exist_ok=True)
+    shutil.copy(shot, OUT / name)
+    return shot
+
+
+def frames(page) -> int:
+    return int(page.inner_text("#frames-received"))
+
+
+def test_talks_hears_and_reads_the_model(server, page, tmp_path):
+    page.goto(server.url + "/")
+    page.wait_for_selector("#demo-note:not([hidden])", timeout=10000)  # the server says it runs the demo model
+    page.click("#start")
+    page.wait_for_selector("#state[data-state=live]", timeout=15000)
+    page.wait_for_function("Number(document.getElementById('frames-received').textContent) >= 30", timeout=20000)
+    page.wait_for_function("document.getElementById('text').textContent.length > 0", timeout=5000)
+    assert page.eval_on_selector("#in-level", "e => parseFloat(e.style.width)") > 0  # the mic meter moves
+    first = page.inner_text("#first-audio")
+    assert first.endswith("ms")
+    save(page, tmp_path, "web-chat.png")
+    before = frames(page)
+    page.wait_for_timeout(800)
+    assert frames(page) >= before + 5  # still streaming: about 12.5 frames a second
+    page.click("#stop")
+    page.wait_for_selector("#state[data-state=idle]")
+    assert page.is_hidden("#message")
+
+
+def test_refused_session_says_the_server_is_full(server, page, tmp_path):
+    """The only slot is held by another client (on its own thread and loop: Playwright owns this one)."""
+    admitted, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        conn = open_connection(ConnectOptions(url=server.url))
+        await conn.open()
+        admitted.set()
+        await asyncio.to_thread(release.wait, 30)
+        await conn.close()
+
+    holder = threading.Thread(target=lambda: asyncio.run(hold()))
+    holder.start()
+    try:
+        assert admitted.wait(15)
+        page.goto(server.url + "/")
+        page.click("#start")
+        page.wait_for_selector("#state[data-state=refused]", timeout=15000)
+        assert "server is full" in page.inner_text("#message")
+        assert page.is_enabled("#start")
+        save(page, tmp_path, "web-refused.png")
+    finally:
+        release.set()
+        holder.join(10)
+
+
+def test_lost_connection_is_reported(server, page, tmp_path):
+    """Last in the module: it stops the server under the page."""
+    page.goto(server.url + "/")
+    page.click("#start")
+    page.wait_for_selector("#state[data-state=live]", timeout=15000)
+    page.wait_for_function("Number(document.getElementById('frames-received').textContent) >= 3", timeout=15000)
+    server.proc.kill()
+    page.wait_for_selector("#state[data-state=lost]", timeout=10000)
+    assert "Connection lost" in page.inner_text("#message")
+    save(page, tmp_path, "web-lost.png")
