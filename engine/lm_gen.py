@@ -72,9 +72,12 @@ class LMGen:
 
     def reset(self, slot: int, params: SamplingParams | None = None) -> None:
         """Start a new conversation in `slot`; other slots are untouched."""
-        params = params or SamplingParams()
         self.ring[slot] = UNGENERATED
         self.offsets[slot] = 0
+        self.set_sampling(slot, params or SamplingParams())
+
+    def set_sampling(self, slot: int, params: SamplingParams) -> None:
+        """Sampling of `slot` from its next step on; its conversation goes on where it is."""
         self.text_temperature[slot] = params.text_temperature
         self.audio_temperature[slot] = params.audio_temperature
         self.text_topk[slot] = params.text_topk

@@ -149,6 +149,7 @@ class Engine:
         self._sessions: dict[int, Session] = {}  # slot -> session holding it (until released)
         self._ended: list[Session] = []  # closed sessions whose slot the loop has not released yet
         self._fresh: list[Session] = []  # admitted sessions whose slot the loop has not reset yet
+        self._retuned: list[Session] = []  # sessions whose sampling changed since the last step
         self._in_flight: set[Session] = set()  # sessions the loop is resetting or stepping now
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._thread: threading.Thread | None = None
@@ -295,24 +296,25 @@ class Engine:
                 self._fresh.remove(session)
         self._ended = keep
 
-    def _gather(self) -> tuple[list[Session], list[np.ndarray], list[Session]] | None:
-        """Wait for work; return (sessions to reset, then the batch: sessions and one frame each)."""
+    def _gather(self) -> tuple[list[Session], list[Session], list[np.ndarray], list[Session]] | None:
+        """Wait for work; return the sessions to reset, those to re-tune, then the batch and one frame each."""
         with self._lock:
-            while self._running and not self._ended and not self._fresh and not any(
+            while self._running and not self._ended and not self._fresh and not self._retuned and not any(
                 s._inbox for s in self._sessions.values() if not s.closed
             ):
                 self._work.wait()
             if not self._running:
                 return None
             fresh, self._fresh = self._fresh, []
+            retuned, self._retuned = [s for s in self._retuned if not s.closed], []
             batch, frames = [], []
             for session in self._sessions.values():
                 frame = session._take_frame()
                 if frame is not None:
                     batch.append(session)
                     frames.append(frame)
-            self._in_flight = {*fresh, *batch}
-            return fresh, frames, batch
+            self._in_flight = {*fresh, *retuned, *batch}
+            return fresh, retuned, frames, batch
 
     def _loop(self) -> None:
         while True:
@@ -320,9 +322,11 @@ class Engine:
             work = self._gather()
             if work is None:
                 return
-            fresh, frames, batch = work
+            fresh, retuned, frames, batch = work
             for session in fresh:
                 self.pipeline.reset(session.slot, session.params)
+            for session in retuned:
+                self.pipeline.lm_gen.set_sampling(session.slot, session.params)
             if batch:
                 self._step(batch, frames)  # ends the in-flight set as it hands out the outputs
             else:

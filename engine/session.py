@@ -86,6 +86,15 @@ class Session:
                 self._engine._work.notify()
         return dropped
 
+    def update_params(self, params: SamplingParams) -> None:
+        """Sample with `params` from the next step on; the conversation keeps its position and history."""
+        with self._lock:
+            if self.closed:
+                raise SessionClosed(f"session {self.id} has ended ({self.close_reason})")
+            self.params = params
+            self._engine._retuned.append(self)
+            self._engine._work.notify()
+
     def close(self, reason: str = "client") -> None:
         """End the session now: pending input and undelivered output are discarded. Idempotent."""
         with self._lock:

@@ -101,22 +101,7 @@ class Pump:
         self.frame_size = frame_size
         self.clock = FrameClock(frame_size)
         self.started = time.monotonic()
-        self._swap: asyncio.Future | None = None  # set while the adapter replaces the engine session
         self._dropped_out = 0
-
-    # ------------------------------------------------------------------------------------------- session swap
-
-    def replacing(self) -> asyncio.Future:
-        """Mark the session as being replaced (before it is closed), so the writer waits for the new one."""
-        self._swap = asyncio.get_running_loop().create_future()
-        return self._swap
-
-    def replaced(self, session: Session | None) -> None:
-        if session is not None:
-            self.session, self.clock, self._dropped_out = session, FrameClock(self.frame_size), 0
-        if self._swap is not None and not self._swap.done():
-            self._swap.set_result(None)
-        self._swap = None
 
     # ------------------------------------------------------------------------------------------- the tasks
 
@@ -147,14 +132,10 @@ class Pump:
 
     async def _write(self) -> None:
         limits = self.limits
+        session = self.session
         while True:
-            session = self.session
             out = await session.recv()
             if out is None:
-                if self._swap is not None or session is not self.session:
-                    if self._swap is not None:
-                        await self._swap
-                    continue
                 raise close_for_session_end(session.close_reason)
             now = time.monotonic()
             delay = self.clock.delay(out.frame, now)

@@ -3,22 +3,19 @@
 The session is admitted on connect (`session.created`, or an `error` with code `resource_exhausted` and close
 1013). Audio flows both ways continuously: every output frame is a `response.output_audio.delta`, and the model's
 text a `response.output_audio_transcript.delta`, all within one long response. Sampling can be changed by
-`session.update` until the first audio arrives (the engine fixes it when the session starts); the session is then
-re-admitted with the new settings. Malformed JSON or base64, binary frames and unknown event types end the
-connection with an `error` event and a close code; turn-taking events get a non-fatal `unsupported_event`.
+`session.update` at any time; the engine applies it from its next step and the conversation goes on. Malformed
+JSON or base64, binary frames and unknown event types end the connection with an `error` event and a close code;
+turn-taking events get a non-fatal `unsupported_event`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
 
 from duplexd.engine.config import SamplingParams
-from duplexd.engine.errors import CapacityError
 from duplexd.engine.scheduler import SessionOutput
 
 from . import realtime_events as ev
@@ -31,7 +28,6 @@ from .sampling import sampling_from_query
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
-REOPEN_WAIT = 2.0  # seconds to wait for our own slot to come back when re-admitting after session.update
 
 
 class RealtimeAdapter(Adapter):
@@ -43,7 +39,6 @@ class RealtimeAdapter(Adapter):
         self.pump: Pump | None = None
         self.session_id = ev.new_id("sess")
         self.response_id, self.item_id = ev.new_id("resp"), ev.new_id("item")
-        self.audio_started = False
         self.response_started = False
 
     def session_object(self, params: SamplingParams) -> dict:
@@ -58,7 +53,6 @@ class RealtimeAdapter(Adapter):
         event = ev.parse_event(text)
         kind = event["type"]
         if kind == "input_audio_buffer.append":
-            self.audio_started = True
             return ev.decode_audio(event)
         try:
             if kind == "session.update":
@@ -77,28 +71,8 @@ class RealtimeAdapter(Adapter):
         assert pump is not None
         params = ev.sampling_update(event, pump.session.params)
         if params != pump.session.params:
-            if self.audio_started:
-                raise ev.RealtimeError("session_immutable", "sampling cannot change once audio has started",
-                                       event.get("event_id"), "session.sampling")
-            await self.readmit(pump, params)
+            pump.session.update_params(params)
         await self.send_text(ev.session_updated(self.session_object(params)))
-
-    async def readmit(self, pump: Pump, params: SamplingParams) -> None:
-        """Swap the engine session for one with new sampling (ours is released between two engine steps)."""
-        pump.replacing()
-        old = pump.session
-        old.close("client")
-        deadline = time.monotonic() + REOPEN_WAIT
-        while True:
-            try:
-                session = self.ctx.runtime.open_session(params, old.max_frames)
-                break
-            except CapacityError as e:
-                if time.monotonic() > deadline:
-                    pump.replaced(None)
-                    raise Close(CloseCode.TRY_AGAIN_LATER, "resource_exhausted", f"server at capacity: {e}") from None
-                await asyncio.sleep(0.01)
-        pump.replaced(session)
 
     async def send_output(self, out: SessionOutput) -> None:
         messages = []

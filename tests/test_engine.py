@@ -134,6 +134,31 @@ def test_capacity_plus_one_is_refused(models):
         sessions[0].push(np.zeros(FRAME, np.float32))
 
 
+def test_sampling_changes_mid_conversation_from_the_next_step(models):
+    """Two greedy sessions on the same audio agree frame for frame until one switches to sampling."""
+    engine = _engine(models, max_sessions=2)
+    audio, switch = _audio(16, seed=4), 6
+    try:
+        a, b = engine.open_session(GREEDY), engine.open_session(GREEDY)
+        outs: dict = {a: [], b: []}
+        for i in range(16):
+            if i == switch:
+                b.update_params(SamplingParams(text_temperature=1.0, audio_temperature=1.0, seed=5))
+            for s in (a, b):
+                s.push(audio[i * FRAME : (i + 1) * FRAME])
+            if i:
+                for s in (a, b):
+                    outs[s].append(s.get(timeout=30).audio_tokens)
+        b.close()
+        with pytest.raises(SessionClosed):
+            b.update_params(GREEDY)
+    finally:
+        engine.stop()
+    # Output k comes from input frame k + 1: frames before the switch agree, the switched frame on differs.
+    assert outs[a][: switch - 1] == outs[b][: switch - 1]
+    assert outs[a][switch - 1] != outs[b][switch - 1]
+
+
 def test_a_closed_session_frees_its_slot_at_once(models):
     """A client that closes and reconnects right away is admitted, even on a full server, mid-conversation."""
     engine = _engine(models, max_sessions=1)
