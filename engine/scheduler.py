@@ -201,10 +201,13 @@ class Engine:
         self._loop()
 
     def _warm_up(self) -> None:
-        """Two throw-away steps (the second decodes) at every bucket size, so first-use costs (kernel selection,
-        packed weights, allocator growth) are paid before the first session rather than in its first frames."""
-        for bucket in self._temporal.buckets:
-            slots = self._free_slots[::-1][: min(bucket, self.kv.pages_free)]
+        """Two throw-away steps (the second decodes) at every batch size a step can run at (the buckets when
+        padding, else 1..max_sessions), so first-use costs (kernel selection, oneDNN primitives and packed weights,
+        allocator growth) are paid before the first session rather than in its first frames."""
+        padded = self._temporal.pad
+        sizes = self._temporal.buckets if padded else range(1, self.config.max_sessions + 1)
+        for size in sizes:
+            slots = self._free_slots[::-1][: min(size, self.kv.pages_free)]
             for slot in slots:
                 self.kv.allocate(slot, 2)
             try:
