@@ -210,6 +210,7 @@ class Engine:
             slots = self._free_slots[::-1][: min(size, self.kv.pages_free)]
             for slot in slots:
                 self.kv.allocate(slot, 2)
+                self.pipeline.reset(slot)  # back to position 0: two frames stay inside the page just reserved
             try:
                 for _ in range(2):
                     self.pipeline.step(torch.tensor(slots, device=self.device),
