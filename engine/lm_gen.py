@@ -20,7 +20,7 @@ import torch
 from duplexd.kernels.sampling import sample
 
 from .config import SamplingParams
-from .kv_cache import PagedBatch, PagedKVCache
+from .kv_cache import PagedBatch, PagedKVCache, window_pages
 from .models.lm import LMModel
 
 UNGENERATED = -2
@@ -50,7 +50,7 @@ class LMGen:
         self.ring = torch.full((num_slots, cfg.num_codebooks, self.ring_size), UNGENERATED, device=device)
         self.offsets = torch.zeros(num_slots, dtype=torch.long, device=device)
         if kv is None:
-            kv = model.new_kv_cache(num_slots, num_slots * -(-cfg.context // page_size), page_size)
+            kv = model.new_kv_cache(num_slots, num_slots * window_pages(cfg.context, page_size), page_size)
             for slot in range(num_slots):
                 kv.allocate(slot)
         if kv.num_slots != num_slots:

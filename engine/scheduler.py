@@ -124,12 +124,10 @@ class Engine:
         kv = lm.new_kv_cache(config.max_sessions, pool_pages(lm, config, per_session), page_size)
         self.kv = kv
         self.pipeline = Pipeline(lm, mimi, config.max_sessions, kv)
-        page_gib = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, page_size,
-                                           lm.text_emb.dtype) / GiB
         logger.info(
             "KV cache: %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",
-            kv.num_pages, page_size, kv.num_pages * page_gib, kv.sessions_fit(config.max_session_frames),
-            config.max_sessions,
+            kv.num_pages, page_size, (kv.keys.nbytes + kv.values.nbytes) / GiB,
+            kv.sessions_fit(config.max_session_frames), config.max_sessions,
         )
         self._graphs = config.cuda_graphs and self.device.type == "cuda"
         buckets = config.buckets or default_buckets(config.max_sessions)
@@ -204,8 +202,7 @@ class Engine:
         """Two throw-away steps (the second decodes) at every batch size a step can run at (the buckets when
         padding, else 1..max_sessions), so first-use costs (kernel selection, oneDNN primitives and packed weights,
         allocator growth) are paid before the first session rather than in its first frames."""
-        padded = self._temporal.pad
-        sizes = self._temporal.buckets if padded else range(1, self.config.max_sessions + 1)
+        sizes = self._temporal.buckets if self._temporal.pad else range(1, self.config.max_sessions + 1)
         for size in sizes:
             slots = self._free_slots[::-1][: min(size, self.kv.pages_free)]
             for slot in slots:
@@ -231,7 +228,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._release_ended()
+        with self._lock:
+            self._release_locked()
 
     def on_step(self, callback: Callable[[StepRecord], None]) -> Callable[[], None]:
         """Call `callback(StepRecord)` on the loop thread after every step; returns a function that stops it."""
@@ -279,10 +277,6 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def _release_ended(self) -> None:
-        with self._lock:
-            self._release_locked()
-
     def _release_locked(self) -> None:
         """Give the slots and pages of ended sessions back, except those the loop is resetting or stepping."""
         keep = []
@@ -290,23 +284,23 @@ class Engine:
             if session in self._in_flight:
                 keep.append(session)
                 continue
-            if session.released:
-                continue
             self.kv.free(session.slot)
             del self._sessions[session.slot]
             self._free_slots.append(session.slot)
-            session.released = True
             if session in self._fresh:
                 self._fresh.remove(session)
         self._ended = keep
 
     def _gather(self) -> tuple[list[Session], list[Session], list[np.ndarray], list[Session]] | None:
-        """Wait for work; return the sessions to reset, those to re-tune, then the batch and one frame each."""
+        """Release ended sessions and wait for work; return the sessions to reset, those to re-tune, then the
+        batch and one frame each."""
         with self._lock:
-            while self._running and not self._ended and not self._fresh and not self._retuned and not any(
-                s._inbox for s in self._sessions.values() if not s.closed
+            self._release_locked()
+            while self._running and not self._fresh and not self._retuned and not any(
+                s._inbox for s in self._sessions.values()
             ):
                 self._work.wait()
+                self._release_locked()
             if not self._running:
                 return None
             fresh, self._fresh = self._fresh, []
@@ -322,7 +316,6 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            self._release_ended()
             work = self._gather()
             if work is None:
                 return

@@ -50,7 +50,6 @@ class Session:
         except RuntimeError:
             pass
         self.closed = False  # no more input: closed by the client or ended by the engine
-        self.released = False  # slot and pages are back in the engine's pools
         self.close_reason: str | None = None
         self.steps = 0
         self.frames_in = self.frames_out = self.frames_dropped_in = self.frames_dropped_out = 0
