@@ -98,7 +98,6 @@ class Pump:
 
     def __init__(self, adapter: Adapter, session: Session, limits: Limits, metrics: Metrics, frame_size: int) -> None:
         self.adapter, self.session, self.limits, self.metrics = adapter, session, limits, metrics
-        self.frame_size = frame_size
         self.clock = FrameClock(frame_size)
         self.started = time.monotonic()
         self._dropped_out = 0

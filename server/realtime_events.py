@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import uuid
 from typing import Any
@@ -41,9 +42,7 @@ class SamplingUpdate(BaseModel):
     seed: int | None = Field(None, ge=0)
 
     def apply(self, params: SamplingParams) -> SamplingParams:
-        values = {name: getattr(params, name) for name in SamplingUpdate.model_fields}
-        values.update(self.model_dump(exclude_none=True))
-        return SamplingParams(**values)
+        return dataclasses.replace(params, **self.model_dump(exclude_none=True))
 
 
 class RealtimeError(Exception):

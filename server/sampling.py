@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Mapping
 
@@ -30,8 +31,7 @@ def sampling_from_query(query: Mapping[str, str], base: SamplingParams | None = 
         if name in query:
             values["seed"] = _number(name, query[name], int) % 2**63
             break
-    merged = {**{k: getattr(base, k) for k in (*FLOATS, *INTS, "seed")}, **values}
-    return SamplingParams(**merged)
+    return dataclasses.replace(base, **values)
 
 
 def max_frames_from_query(query: Mapping[str, str]) -> int | None:
