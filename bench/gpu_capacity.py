@@ -70,10 +70,8 @@ def measure(engine: Engine, batch: int, steps: int, position: int) -> list[float
         while any(s.steps < 1 for s in sessions) and time.monotonic() < deadline:
             time.sleep(0.01)
         with engine._lock:  # idle loop: jump every slot to a long-conversation position
-            gen = engine.pipeline.lm_gen
-            slots = torch.tensor([s.slot for s in sessions], device=gen.offsets.device)
-            gen.offsets[slots] = position
-            gen.ring[slots] = 0  # token history as if generated (the jump skipped writing it)
+            for s in sessions:
+                engine.pipeline.seek(s.slot, position)
         unsubscribe = engine.on_step(records.append)
         for s in sessions:  # every session has its frames queued, so every step is a full batch
             s.push(np.zeros((steps + 3) * engine.frame_size, np.float32))

@@ -41,6 +41,12 @@ class Pipeline:
         self.lm_gen.reset(slot, params)
         self.mimi.reset(slot)
 
+    def seek(self, slot: int, position: int) -> None:
+        """Move `slot` to frame `position` as if it had generated zeros so far (benchmarks of long conversations:
+        attention then reads a whole window). The slot's Mimi state is untouched."""
+        self.lm_gen.offsets[slot] = position
+        self.lm_gen.ring[slot] = 0
+
     @torch.no_grad()
     def step(self, slots: torch.Tensor, pcm: torch.Tensor) -> FrameOutput:
         """Advance `slots` [B] by one frame of user audio `pcm` [B, frame_size]."""
