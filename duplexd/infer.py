@@ -88,17 +88,16 @@ def run(args: argparse.Namespace) -> int:
     frame = pipeline.frame_size
     pcm = read_audio(args.input, mimi.cfg.sample_rate, min_samples=frame)
     pcm = np.pad(pcm, (0, -len(pcm) % frame))  # the last partial frame is zero-padded, not dropped
-    frames = torch.from_numpy(pcm).view(-1, frame).to(args.device)
-    slot = torch.tensor([0], device=args.device)
+    frames = pcm.reshape(-1, frame)
     silent = {lm.cfg.text_padding_token_id, lm.cfg.end_of_text_padding_id}
     speech = []
     tokens_out = open(args.tokens_out, "w") if args.tokens_out else None  # noqa: SIM115
     try:
         for index in range(len(frames)):
-            out = pipeline.step(slot, frames[index : index + 1])
+            out = pipeline.step([0], frames[index : index + 1])
             if not out.valid[0]:
                 continue
-            speech.append(out.pcm[0].float().cpu())
+            speech.append(out.pcm[0].float().cpu().clone())  # the next step reuses the output buffer on CUDA
             text, audio = int(out.tokens[0, 0]), out.tokens[0, 1:].tolist()
             if tokens_out:
                 tokens_out.write(json.dumps({"frame": index, "text": text, "audio": audio}) + "\n")

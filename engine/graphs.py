@@ -3,9 +3,11 @@
 A `BucketedCall` wraps a function of batch-major tensors (every input and output has the batch on dim 0). A
 call with B rows runs at the smallest bucket >= B: rows B.. are filled from a padding row the caller supplies
 (inputs that only ever touch scratch state), and the first B rows of each output come back. On CUDA the
-function is captured once per bucket at warm-up and replayed by copying the inputs into the graph's static
-buffers, so a step costs a few copies and one graph launch whatever the number of kernels in it. Without
-graphs it runs eagerly: padded when `pad` is set (to check on CPU exactly what a graph sees), else at B rows.
+function is captured once per bucket at warm-up and replayed by copying the inputs (device tensors, or pinned
+host tensors, copied without waiting) into the graph's static buffers, so a step costs a few copies and one graph
+launch whatever the number of kernels in it. Outputs are views of the graph's static outputs, overwritten by the
+next replay. Without graphs it runs eagerly: padded when `pad` is set (to check on CPU exactly what a graph
+sees), else at B rows.
 """
 
 from __future__ import annotations
@@ -75,10 +77,10 @@ class BucketedCall:
         if bucket in self._graphs:
             graph, static_in, static_out = self._graphs[bucket]
             for buf, x, p in zip(static_in, inputs, self.pad_row, strict=True):
-                buf[:batch].copy_(x)
+                buf[:batch].copy_(x, non_blocking=True)
                 buf[batch:].copy_(p.expand(bucket - batch, *p.shape[1:]))
             graph.replay()
-            return tuple(out[:batch].clone() for out in static_out)
+            return tuple(out[:batch] for out in static_out)
         padded = tuple(
             torch.cat([x, p.expand(bucket - batch, *p.shape[1:]).to(x.dtype)]) if bucket > batch else x
             for x, p in zip(inputs, self.pad_row, strict=True)

@@ -9,8 +9,13 @@ frames, without copies or host work (vLLM's block tables, with the window of Mos
 
 Admission reserves every page a session can ever need up front (a whole window, or fewer when the session's
 length is capped below the window), so an admitted conversation can never run out of pages mid-sentence.
-Unassigned table entries and the rows of idle slots point at the scratch page: padding rows of a bucketed batch
-write there and never touch a live session's pages.
+Unassigned table entries point at the scratch page, and so does the whole row of the scratch slot (row
+`num_slots` of the table): padding rows of a bucketed batch run as that slot, write there and never touch a live
+session's pages.
+
+Admission is host bookkeeping only (`allocate` and `free` change `host_tables`), so it never waits for a step in
+flight; the engine's loop thread copies a slot's row to the device (`upload`) when the slot starts a
+conversation, between two steps.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from duplexd.kernels.decode_attention import decode_attention
@@ -39,15 +45,12 @@ def window_pages(context: int, page_size: int, frames: int | None = None) -> int
 
 @dataclass
 class PagedBatch:
-    """One step's view of the pool for a batch of rows (built by `PagedKVCache.batch`, or static for a graph)."""
+    """One step's view of the pool for a batch of rows (built by `PagedKVCache.batch`)."""
 
     block_table: torch.Tensor  # [B, max_pages] int32
     lengths: torch.Tensor  # [B] int32: positions + 1 (this step's key included)
     write_page: torch.Tensor  # [B] long: page of this step's key
     write_offset: torch.Tensor  # [B] long: its offset in the page
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.block_table, self.lengths, self.write_page, self.write_offset
 
 
 class PagedKVCache:
@@ -69,10 +72,12 @@ class PagedKVCache:
         self.context, self.page_size, self.num_pages, self.num_slots = context, page_size, num_pages, num_slots
         self.max_pages = pages_for(context, page_size)
         self.scratch = num_pages
+        self.scratch_slot = num_slots
         shape = (num_layers, num_pages + 1, page_size, num_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.tables = torch.full((num_slots, self.max_pages), self.scratch, dtype=torch.int32, device=device)
+        self.host_tables = np.full((num_slots + 1, self.max_pages), self.scratch, dtype=np.int32)
+        self.tables = torch.from_numpy(self.host_tables).to(device, copy=True)  # what steps read
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: recently freed pages are reused first
         self._owned: dict[int, list[int]] = {}
 
@@ -100,6 +105,8 @@ class PagedKVCache:
 
     def allocate(self, slot: int, frames: int | None = None) -> None:
         """Reserve the pages of a session of `frames` frames in `slot`; `CapacityError` when they are not free."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         if slot in self._owned:
             raise ValueError(f"slot {slot} already holds pages")
         need = self.pages_needed(frames)
@@ -110,22 +117,26 @@ class PagedKVCache:
             )
         pages = [self._free.pop() for _ in range(need)]
         self._owned[slot] = pages
-        row = torch.full((self.max_pages,), self.scratch, dtype=torch.int32)
-        row[:need] = torch.tensor(pages, dtype=torch.int32)
-        self.tables[slot].copy_(row)
+        self.host_tables[slot] = self.scratch
+        self.host_tables[slot, :need] = pages
 
     def free(self, slot: int) -> None:
-        """Give `slot`'s pages back; its row points at scratch again. Idempotent."""
+        """Give `slot`'s pages back; its host row points at scratch again. Idempotent."""
         pages = self._owned.pop(slot, None)
         if pages is None:
             return
-        self.tables[slot].fill_(self.scratch)
+        self.host_tables[slot] = self.scratch
         self._free.extend(reversed(pages))
+
+    def upload(self, slot: int) -> None:
+        """Copy `slot`'s host row to the device table; called between steps, before the slot's first step."""
+        self.tables[slot].copy_(torch.from_numpy(self.host_tables[slot]))
 
     # ---------------------------------------------------------------------------------------- device side
 
     def batch(self, slots: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
-        """The view for rows `slots` [B] at `positions` [B] (device tensors; no host synchronisation)."""
+        """The view for rows `slots` [B] (`scratch_slot` for padding) at `positions` [B] (device tensors; no host
+        synchronisation)."""
         table = self.tables[slots]
         ring = ((positions // self.page_size) % self.max_pages)[:, None]
         write_page = table.gather(1, ring)[:, 0].long()

@@ -6,9 +6,10 @@ advances only the slots given to it, and a slot resets alone. Position n of a sl
 returned tokens are realigned so that text and the semantic codebook (sampled at the previous step) come out
 with the acoustic codebooks sampled now.
 
-A step is three parts: host-free bookkeeping on the ring (eager), the temporal step (`run_temporal`) and the
-text sampling + DepFormer loop (`run_depformer`). The last two take and return batch-major tensors only, so the
-engine can swap in bucketed CUDA graphs of them (`engine.graphs`) without changing anything else.
+A step is host-free: ring bookkeeping, the temporal step and the text sampling + DepFormer loop are device ops
+on device tensors only, so the engine captures it (with Mimi around it) in one CUDA graph per batch bucket.
+Padding rows of a bucket run as the scratch slot (`scratch_slot`, one past the last real slot), whose ring,
+position and KV pages nobody else reads.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from duplexd.kernels.sampling import sample
 
 from .config import SamplingParams
-from .kv_cache import PagedBatch, PagedKVCache, window_pages
+from .kv_cache import PagedKVCache, window_pages
 from .models.lm import LMModel
 
 UNGENERATED = -2
@@ -39,7 +40,7 @@ class LMGen:
 
     `kv` is the paged cache the slots attend through; without one, LMGen makes a pool holding a whole window for
     every slot and assigns each slot its pages now (offline use). The engine passes its own pool and assigns
-    pages at admission.
+    pages at admission. Every per-slot tensor has one extra row for the scratch slot.
     """
 
     def __init__(self, model: LMModel, num_slots: int, kv: PagedKVCache | None = None, page_size: int = 64) -> None:
@@ -47,8 +48,10 @@ class LMGen:
         device = model.text_emb.device
         self.model, self.cfg, self.num_slots = model, cfg, num_slots
         self.ring_size = cfg.max_delay + 2
-        self.ring = torch.full((num_slots, cfg.num_codebooks, self.ring_size), UNGENERATED, device=device)
-        self.offsets = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.scratch_slot = rows = num_slots
+        rows += 1
+        self.ring = torch.full((rows, cfg.num_codebooks, self.ring_size), UNGENERATED, device=device)
+        self.offsets = torch.zeros(rows, dtype=torch.long, device=device)
         if kv is None:
             kv = model.new_kv_cache(num_slots, num_slots * window_pages(cfg.context, page_size), page_size)
             for slot in range(num_slots):
@@ -56,24 +59,25 @@ class LMGen:
         if kv.num_slots != num_slots:
             raise ValueError(f"the KV cache has {kv.num_slots} slots, LMGen {num_slots}")
         self.kv = kv
-        self.run_temporal = self.temporal
-        self.run_depformer = self.depformer
         self.delays = torch.tensor(cfg.delays, device=device)
         self.initial = torch.tensor(
             [cfg.text_initial_token_id] + [cfg.initial_token_id] * cfg.n_q, device=device
         )
-        self.text_temperature = torch.zeros(num_slots, device=device)
-        self.audio_temperature = torch.zeros(num_slots, device=device)
-        self.text_topk = torch.ones(num_slots, dtype=torch.long, device=device)
-        self.audio_topk = torch.ones(num_slots, dtype=torch.long, device=device)
-        self.seeds = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.text_temperature = torch.zeros(rows, device=device)
+        self.audio_temperature = torch.zeros(rows, device=device)
+        self.text_topk = torch.ones(rows, dtype=torch.long, device=device)
+        self.audio_topk = torch.ones(rows, dtype=torch.long, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
         for slot in range(num_slots):
             self.reset(slot)
+        self.set_sampling(self.scratch_slot, SamplingParams(0.0, 1, 0.0, 1))  # padding rows: greedy, cheap
 
     def reset(self, slot: int, params: SamplingParams | None = None) -> None:
-        """Start a new conversation in `slot`; other slots are untouched."""
+        """Start a new conversation in `slot` (its KV table row goes to the device now); other slots are
+        untouched."""
         self.ring[slot] = UNGENERATED
         self.offsets[slot] = 0
+        self.kv.upload(slot)
         self.set_sampling(slot, params or SamplingParams())
 
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
@@ -84,39 +88,15 @@ class LMGen:
         self.audio_topk[slot] = params.audio_topk
         self.seeds[slot] = params.seed
 
-    def temporal(self, tokens: torch.Tensor, positions: torch.Tensor, *view: torch.Tensor):
-        """The temporal step: (hidden [B, dim], text logits [B, text_card]); `view` is a `PagedBatch`'s tensors."""
-        return self.model.forward_text(tokens, positions, self.kv, PagedBatch(*view))
-
-    def depformer(self, hidden, text_logits, text_temp, text_topk, audio_temp, audio_topk, seeds, positions):
-        """Sample the text token, then run the DepFormer sampling each codebook: (text [B], audio [B, dep_q])."""
-        text, out = self._depformer(hidden, text_logits, text_temp, text_topk, audio_temp, audio_topk, seeds,
-                                    positions)
-        return text, out.tokens
-
-    def _depformer(self, hidden, text_logits, text_temp, text_topk, audio_temp, audio_topk, seeds, positions,
-                   want_logits: bool = False):
+    def depformer(self, hidden, text_logits, text_temp, text_topk, audio_temp, audio_topk, seeds, positions,
+                  want_logits: bool = False):
+        """Sample the text token, then run the DepFormer sampling each codebook: (text [B], DepformerOutput)."""
         text = sample(text_logits, text_temp, text_topk, seeds, positions, 0)
         out = self.model.forward_depformer(
             hidden, text, lambda step, logits: sample(logits, audio_temp, audio_topk, seeds, positions, 1 + step),
             want_logits=want_logits,
         )
         return text, out
-
-    def padding_rows(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """One row of inputs for `temporal` and for `depformer` that a bucket pads with: initial tokens at
-        position 0 writing to the scratch page, greedy sampling. Nothing a live slot owns is read or written."""
-        cfg, device, kv = self.cfg, self.offsets.device, self.kv
-        zero = torch.zeros(1, dtype=torch.long, device=device)
-        scratch_row = torch.full((1, kv.max_pages), kv.scratch, dtype=torch.int32, device=device)
-        temporal = (self.initial[None].clone(), zero, scratch_row, torch.ones(1, dtype=torch.int32, device=device),
-                    torch.full((1,), kv.scratch, dtype=torch.long, device=device), zero)
-        dtype = self.model.text_emb.dtype
-        depformer = (torch.zeros(1, cfg.dim, dtype=dtype, device=device),
-                     torch.zeros(1, cfg.text_card, dtype=dtype, device=device),
-                     torch.zeros(1, device=device), torch.ones(1, dtype=torch.long, device=device),
-                     torch.zeros(1, device=device), torch.ones(1, dtype=torch.long, device=device), zero, zero)
-        return temporal, depformer
 
     @torch.no_grad()
     def step(self, slots: torch.Tensor, user_codes: torch.Tensor, return_logits: bool = False) -> StepOutput:
@@ -141,13 +121,11 @@ class LMGen:
         sampling = (self.text_temperature[slots], self.text_topk[slots], self.audio_temperature[slots],
                     self.audio_topk[slots], self.seeds[slots], offsets)
         text_logits = audio_logits = None
-        if return_logits:  # eager, keeping every DepFormer step's logits
-            hidden, text_logits = self.temporal(tokens_in, offsets, *view.tensors())
-            text, depformer = self._depformer(hidden, text_logits, *sampling, want_logits=True)
-            audio, audio_logits = depformer.tokens, depformer.logits
-        else:
-            hidden, logits = self.run_temporal(tokens_in, offsets, *view.tensors())
-            text, audio = self.run_depformer(hidden, logits, *sampling)
+        hidden, logits = self.model.forward_text(tokens_in, offsets, self.kv, view)
+        text, depformer = self.depformer(hidden, logits, *sampling, want_logits=return_logits)
+        audio = depformer.tokens
+        if return_logits:
+            text_logits, audio_logits = logits, depformer.logits
 
         offsets = offsets + 1
         self.offsets[slots] = offsets

@@ -31,7 +31,7 @@ import torch
 
 from .config import ConfigError, SamplingParams
 from .errors import CapacityError
-from .graphs import BucketedCall, default_buckets
+from .graphs import default_buckets
 from .kv_cache import PagedKVCache, window_pages
 from .models.lm import LMModel
 from .models.mimi import MimiModel
@@ -123,7 +123,6 @@ class Engine:
         per_session = window_pages(cfg.context, page_size, config.max_session_frames)
         kv = lm.new_kv_cache(config.max_sessions, pool_pages(lm, config, per_session), page_size)
         self.kv = kv
-        self.pipeline = Pipeline(lm, mimi, config.max_sessions, kv)
         logger.info(
             "KV cache: %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",
             kv.num_pages, page_size, (kv.keys.nbytes + kv.values.nbytes) / GiB,
@@ -133,12 +132,13 @@ class Engine:
         buckets = config.buckets or default_buckets(config.max_sessions)
         if max(buckets) < config.max_sessions:
             raise ConfigError(f"the largest bucket {max(buckets)} is below max_sessions {config.max_sessions}")
-        gen = self.pipeline.lm_gen
-        pad_temporal, pad_depformer = gen.padding_rows()
-        pad = self._graphs or config.pad_batches
-        self._temporal = BucketedCall(gen.temporal, pad_temporal, buckets, graphs=self._graphs, pad=pad)
-        self._depformer = BucketedCall(gen.depformer, pad_depformer, buckets, graphs=self._graphs, pad=pad)
-        gen.run_temporal, gen.run_depformer = self._temporal, self._depformer
+        self.pipeline = Pipeline(lm, mimi, config.max_sessions, kv, buckets=buckets, graphs=self._graphs,
+                                 pad=self._graphs or config.pad_batches)
+        # A step's outputs come back in one copy each into pinned buffers, then one wait (CUDA).
+        pin = self.device.type == "cuda"
+        self._host_pcm = torch.zeros(config.max_sessions, self.frame_size, pin_memory=pin)
+        self._host_tokens = torch.zeros(config.max_sessions, 1 + cfg.dep_q, dtype=torch.long, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
         self._silent = {cfg.text_padding_token_id, cfg.end_of_text_padding_id}
 
         self._lock = threading.Lock()
@@ -186,11 +186,11 @@ class Engine:
         torch.set_num_threads(self._threads)
         torch.set_grad_enabled(False)  # grad mode is per thread
         try:
+            if self.device.type == "cuda":  # per thread: graphs, streams and Triton launch on the current device
+                torch.cuda.set_device(self.device)
             self._warm_up()
             if self._graphs:
-                pool = torch.cuda.graph_pool_handle()
-                self._temporal.capture("capturing temporal step", pool)
-                self._depformer.capture("capturing depformer", pool)
+                self.pipeline.capture(torch.cuda.graph_pool_handle())
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
             return
@@ -202,16 +202,15 @@ class Engine:
         """Two throw-away steps (the second decodes) at every batch size a step can run at (the buckets when
         padding, else 1..max_sessions), so first-use costs (kernel selection, oneDNN primitives and packed weights,
         allocator growth) are paid before the first session rather than in its first frames."""
-        sizes = self._temporal.buckets if self._temporal.pad else range(1, self.config.max_sessions + 1)
-        for size in sizes:
+        buckets = sorted({self.pipeline.bucket(size) for size in range(1, self.config.max_sessions + 1)})
+        for size in buckets:
             slots = self._free_slots[::-1][: min(size, self.kv.pages_free)]
             for slot in slots:
                 self.kv.allocate(slot, 2)
                 self.pipeline.reset(slot)  # back to position 0: two frames stay inside the page just reserved
             try:
                 for _ in range(2):
-                    self.pipeline.step(torch.tensor(slots, device=self.device),
-                                       torch.zeros(len(slots), self.frame_size, device=self.device))
+                    self.pipeline.step(slots, np.zeros((len(slots), self.frame_size), np.float32))
             finally:
                 for slot in slots:
                     self.kv.free(slot)
@@ -333,12 +332,9 @@ class Engine:
     def _step(self, batch: list[Session], frames: list[np.ndarray]) -> None:
         started = time.perf_counter()
         try:
-            slots = torch.tensor([s.slot for s in batch], device=self.device)
-            pcm = torch.from_numpy(np.stack(frames)).to(self.device)
-            out = self.pipeline.step(slots, pcm)
-            speech = out.pcm.float().cpu().numpy()
-            tokens = out.tokens.tolist()
-            valid = out.valid.tolist()
+            out = self.pipeline.step([s.slot for s in batch], np.stack(frames))
+            speech, tokens = self._to_host(out.pcm, out.tokens)
+            valid = out.valid
         except Exception:
             logger.exception("step of %d sessions failed; ending them", len(batch))
             with self._lock:
@@ -361,12 +357,23 @@ class Engine:
                 if session.max_frames is not None and session.steps >= session.max_frames and not session.closed:
                     session._end("max_frames")
             self._in_flight = set()  # before the lock goes: a receiver may close and reopen at once
-        record = StepRecord(len(batch), self._temporal.bucket(len(batch)), seconds)
+        record = StepRecord(len(batch), self.pipeline.bucket(len(batch)), seconds)
         for listener in self._listeners:
             try:
                 listener(record)
             except Exception:
                 logger.exception("step listener failed")
+
+    def _to_host(self, pcm: torch.Tensor, tokens: torch.Tensor) -> tuple[np.ndarray, list[list[int]]]:
+        """The step's outputs on the host: one copy each (pinned, not waiting) and one wait on CUDA."""
+        if self._copied is None:
+            return pcm.float().numpy().copy(), tokens.tolist()
+        batch = pcm.shape[0]
+        self._host_pcm[:batch].copy_(pcm, non_blocking=True)
+        self._host_tokens[:batch].copy_(tokens, non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()
+        return self._host_pcm[:batch].numpy().copy(), self._host_tokens[:batch].tolist()
 
     def _text(self, token: int) -> str:
         if token in self._silent or self.tokenizer is None:

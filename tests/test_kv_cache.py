@@ -29,9 +29,13 @@ def test_allocation_accounting():
     kv.allocate(0)
     kv.allocate(1, frames=9)
     assert kv.pages_used == 5 and kv.sessions_fit() == 1 and kv.sessions_fit(8) == 5
-    owned = set(kv.tables[0].tolist()) | set(kv.tables[1, :2].tolist())
+    tables = kv.host_tables
+    owned = set(tables[0].tolist()) | set(tables[1, :2].tolist())
     assert len(owned) == 5 and kv.scratch not in owned, "pages are distinct and never the scratch page"
-    assert kv.tables[1, 2] == kv.scratch and (kv.tables[2:] == kv.scratch).all()
+    assert tables[1, 2] == kv.scratch and (tables[2:] == kv.scratch).all(), "the scratch slot's row included"
+    assert (kv.tables == kv.scratch).all(), "admission is host bookkeeping: the device table waits for upload"
+    kv.upload(1)
+    assert kv.tables[1].tolist() == tables[1].tolist() and (kv.tables[0] == kv.scratch).all()
     kv.allocate(2)
     with pytest.raises(CapacityError, match="3 pages of 8 frames, 2 of 10 are free"):
         kv.allocate(3)
@@ -39,7 +43,9 @@ def test_allocation_accounting():
         kv.allocate(2)
     kv.free(0)
     kv.free(0)  # idempotent
-    assert kv.pages_used == 5 and (kv.tables[0] == kv.scratch).all()
+    assert kv.pages_used == 5 and (kv.host_tables[0] == kv.scratch).all()
+    with pytest.raises(ValueError, match="out of range"):
+        kv.allocate(kv.scratch_slot)
     kv.allocate(3)
     for slot in (1, 2, 3):
         kv.free(slot)
@@ -49,6 +55,7 @@ def test_allocation_accounting():
 def test_batch_view_writes_where_the_table_says():
     kv = _pool()
     kv.allocate(2)
+    kv.upload(2)
     slots, positions = torch.tensor([2, 0]), torch.tensor([17, 5])  # slot 0 holds no pages: scratch
     view = kv.batch(slots, positions)
     assert view.write_page.tolist() == [int(kv.tables[2, 2]), kv.scratch]
@@ -69,7 +76,7 @@ def test_reference_greedy_tokens_past_the_window_on_fragmented_pages(tmp_path):
     random.Random(0).shuffle(kv._free)  # pages handed out in no particular order, interleaved between slots
     kv.allocate(2)
     kv.allocate(1)
-    assert sorted(kv.tables[1].tolist()) != kv.tables[1].tolist()
+    assert sorted(kv.host_tables[1].tolist()) != kv.host_tables[1].tolist()
     gen = LMGen(model, num_slots=3, kv=kv)
     for slot in (1, 2):
         gen.reset(slot, GREEDY)

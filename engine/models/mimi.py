@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,17 +42,17 @@ class _Buffer:
     reset_value: float | bool | None  # None: never reset (stale entries are masked out)
 
 
-class _Rows:
-    """The slots one call steps: a slice when they are consecutive (views, no copies), else an index."""
+class Rows:
+    """The slots one call steps: `index` [B] on the device, and, when the caller knows them on the host and they
+    are consecutive, a slice (state read as views, no gathers: faster on CPU). Built from host lists the caller
+    already holds, never by reading `index` back, so a step never waits for the device.
+    """
 
-    def __init__(self, slots: torch.Tensor) -> None:
-        ids = slots.tolist()
-        self.index = slots
-        self.size = len(ids)
-        start = ids[0]
-        self.where: slice | torch.Tensor = (
-            slice(start, start + len(ids)) if ids == list(range(start, start + len(ids))) else slots
-        )
+    def __init__(self, index: torch.Tensor, host: Sequence[int] | None = None) -> None:
+        self.index = index
+        self.where: slice | torch.Tensor = index
+        if host is not None and len(host) and list(host) == list(range(host[0], host[0] + len(host))):
+            self.where = slice(host[0], host[0] + len(host))
 
     def get(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[self.where]
@@ -66,7 +67,7 @@ class _Rows:
 class _Ctx:
     """What a streaming layer sees during one call: the rows and its own state buffers."""
 
-    def __init__(self, rows: _Rows, state: dict[nn.Module, dict[str, _Buffer]]) -> None:
+    def __init__(self, rows: Rows, state: dict[nn.Module, dict[str, _Buffer]]) -> None:
         self.rows = rows
         self.state = state
 
@@ -260,7 +261,7 @@ class TransformerLayer(nn.Module):
         self.layer_scale_2 = nn.Parameter(torch.full((d,), cfg.layer_scale))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                rows: _Rows, ring: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+                rows: Rows, ring: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """x [B, T, d]; cache [S, 2, H, L, D] is this layer's KV ring, `ring` [B, T] where new entries go."""
         B, T, d = x.shape
         qkv = matmul(self.norm1(x), self.wqkv).view(B, T, 3, self.num_heads, -1)
@@ -514,12 +515,17 @@ class MimiStreams:
     consecutive `encode` calls give the same codes as the reference's streaming `mimi.encode` on the same frames.
     The reference *server* additionally resets Mimi after the first frame it encodes (moshi.md §1.5); a caller
     reproducing that calls `reset(slot)` after the first `encode` (the LM ignores that first frame anyway).
+
+    Every state tensor has one more row, the scratch slot (`scratch_slot`): padding rows of a bucketed batch, and
+    rows whose output is not wanted, step it, so they never touch a real stream. `encode_frame`/`decode_frame`
+    are the host-free per-frame calls (no checks that would read device values); `encode`/`decode` check their
+    arguments first.
     """
 
     def __init__(self, model: MimiModel, num_slots: int) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.model, self.num_slots = model, num_slots
+        self.model, self.num_slots, self.scratch_slot = model, num_slots, num_slots
         self.cfg = model.cfg
         p = next(model.parameters())
         factory = {"device": p.device, "dtype": p.dtype}
@@ -528,7 +534,7 @@ class MimiStreams:
             out = {}
             for root in roots:
                 for m in root.modules():
-                    if hasattr(m, "init_state") and (s := m.init_state(num_slots, **factory)):
+                    if hasattr(m, "init_state") and (s := m.init_state(num_slots + 1, **factory)):
                         out[m] = s
             return out
 
@@ -546,19 +552,30 @@ class MimiStreams:
                         if b.reset_value is not None:
                             b.data[slot] = b.reset_value
 
-    def _rows(self, slots: torch.Tensor, batch: int) -> _Rows:
-        if not isinstance(slots, torch.Tensor):
-            slots = torch.as_tensor(slots)
-        if slots.dim() != 1 or slots.dtype not in (torch.int64, torch.int32) or len(slots) != batch or not batch:
+    def encode_frame(self, rows: Rows, pcm: torch.Tensor) -> torch.Tensor:
+        """pcm [B, frame_size] → codes long [B, num_codebooks] for `rows`, one frame; no checks, no host work."""
+        return self.model.encode_frame(pcm.to(self.model.downsample.weight.dtype), _Ctx(rows, self._encoder))
+
+    def decode_frame(self, rows: Rows, codes: torch.Tensor) -> torch.Tensor:
+        """codes long [B, num_codebooks] (in 0..card-1) → pcm [B, frame_size] for `rows`; no checks, no host work."""
+        return self.model.decode_frame(codes, _Ctx(rows, self._decoder))
+
+    def _rows(self, slots: torch.Tensor | Sequence[int], batch: int) -> Rows:
+        """Checked rows for the public calls (reads `slots` on the host)."""
+        ids = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        if isinstance(slots, torch.Tensor) and (slots.dim() != 1 or slots.dtype not in (torch.int64, torch.int32)):
             raise ValueError(f"slots must be a 1-D integer tensor with one entry per batch row ({batch})")
-        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
-            raise ValueError(f"slots must be in 0..{self.num_slots - 1}, got {slots.tolist()}")
-        if len(set(slots.tolist())) != batch:
-            raise ValueError(f"slots must be distinct, got {slots.tolist()}")
-        return _Rows(slots.to(torch.long))
+        if len(ids) != batch or not batch:
+            raise ValueError(f"slots must have one entry per batch row ({batch})")
+        if min(ids) < 0 or max(ids) >= self.num_slots:
+            raise ValueError(f"slots must be in 0..{self.num_slots - 1}, got {ids}")
+        if len(set(ids)) != batch:
+            raise ValueError(f"slots must be distinct, got {ids}")
+        device = self.model.downsample.weight.device
+        return Rows(torch.tensor(ids, dtype=torch.long, device=device), ids)
 
     @torch.no_grad()
-    def encode(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
+    def encode(self, slots: torch.Tensor | Sequence[int], pcm: torch.Tensor) -> torch.Tensor:
         """pcm float [B, frame_size * n] (or [B, 1, ...]) → codes long [B, num_codebooks, n]."""
         if pcm.dim() == 3 and pcm.shape[1] == 1:
             pcm = pcm[:, 0]
@@ -568,13 +585,11 @@ class MimiStreams:
                 f"pcm must be [batch, samples] with samples a positive multiple of the frame size {fs}, "
                 f"got shape {list(pcm.shape)}; buffer partial frames before encoding"
             )
-        ctx = _Ctx(self._rows(slots, pcm.shape[0]), self._encoder)
-        pcm = pcm.to(self.model.downsample.weight.dtype)
-        codes = [self.model.encode_frame(frame, ctx) for frame in pcm.split(fs, dim=-1)]
-        return torch.stack(codes, dim=-1)
+        rows = self._rows(slots, pcm.shape[0])
+        return torch.stack([self.encode_frame(rows, frame) for frame in pcm.split(fs, dim=-1)], dim=-1)
 
     @torch.no_grad()
-    def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    def decode(self, slots: torch.Tensor | Sequence[int], codes: torch.Tensor) -> torch.Tensor:
         """codes long [B, num_codebooks, n] → pcm float [B, frame_size * n]."""
         k = self.cfg.num_codebooks
         if codes.dim() != 3 or codes.shape[1] != k or codes.shape[2] == 0:
@@ -583,7 +598,6 @@ class MimiStreams:
             raise ValueError("codes must be integers")
         if int(codes.min()) < 0 or int(codes.max()) >= self.cfg.card:
             raise ValueError(f"codes must be in 0..{self.cfg.card - 1}")
-        ctx = _Ctx(self._rows(slots, codes.shape[0]), self._decoder)
+        rows = self._rows(slots, codes.shape[0])
         codes = codes.long()
-        pcm = [self.model.decode_frame(codes[:, :, t], ctx) for t in range(codes.shape[2])]
-        return torch.cat(pcm, dim=-1)
+        return torch.cat([self.decode_frame(rows, codes[:, :, t]) for t in range(codes.shape[2])], dim=-1)

@@ -1,0 +1,77 @@
+"""Find host work inside a device step without a GPU: run it on the `meta` device under `HostWork`.
+
+On a GPU, a step that reads a value back (`.item()`, `int()`/`bool()` of a tensor, `.tolist()`, `nonzero`, a
+copy to the CPU) stalls until the device catches up, and a CUDA graph cannot capture it at all; a tensor made on
+the CPU inside the step is a host op and, when it feeds the device, a pageable copy. On `meta` tensors none of
+this can run, so `HostWork` intercepts each such op, records it with the line of duplexd code that made it, and
+answers with a stand-in value (distinct integers, True) so one run lists every offender.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Ops that only describe existing memory differently; a view of a CPU staging buffer allocates nothing.
+_VIEWS = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.alias.default, aten.as_strided.default,
+          aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.expand.default, aten.detach.default,
+          aten._reshape_alias.default, aten.permute.default, aten.squeeze.dim, aten.unbind.int}
+
+
+@dataclass(frozen=True)
+class HostOp:
+    kind: str  # "sync" (the host waits for the device) or "cpu" (a CPU tensor is made)
+    op: str
+    where: str  # the innermost duplexd source line that made it
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.op} at {self.where}"
+
+
+def _caller() -> str:
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace("\\", "/")
+        if "/tests/" not in path and any(f"/{d}/" in path for d in ("engine", "kernels", "server", "duplexd")):
+            return f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.lineno} {frame.line}"
+    return "?"
+
+
+def _stand_in(t: torch.Tensor, device: str) -> torch.Tensor:
+    return torch.arange(t.numel(), device=device).view(t.shape).to(t.dtype)
+
+
+class HostWork(TorchDispatchMode):
+    """Records every host sync and every CPU tensor created while active (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[HostOp] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        on_device = any(t.device.type != "cpu" for t in tensors)
+        if func is aten._local_scalar_dense.default and on_device:
+            self.ops.append(HostOp("sync", "item / int / bool of a device tensor", _caller()))
+            return True if tensors[0].dtype == torch.bool else 0
+        if func in (aten.nonzero.default, aten.masked_select.default, aten.unique_consecutive.default,
+                    aten._unique2.default) and on_device:
+            self.ops.append(HostOp("sync", str(func), _caller()))
+            return torch.zeros(1, tensors[0].dim(), dtype=torch.long, device=tensors[0].device)
+        wants_cpu = kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
+        if func in (aten._to_copy.default, aten.copy_.default) and on_device and (
+            wants_cpu or (func is aten.copy_.default and args[0].device.type == "cpu")
+        ):
+            self.ops.append(HostOp("sync", "copy to the host", _caller()))
+            return _stand_in(tensors[0], "cpu")
+        out = func(*args, **kwargs)
+        if func not in _VIEWS and any(
+            isinstance(o, torch.Tensor) and o.device.type == "cpu" for o in (out if isinstance(out, tuple) else (out,))
+        ):
+            self.ops.append(HostOp("cpu", str(func), _caller()))
+        return out

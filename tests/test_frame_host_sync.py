@@ -1,0 +1,65 @@
+"""A whole frame step (Mimi encode → temporal step → DepFormer → Mimi decode) makes no host sync and no CPU
+tensor, checked without a GPU: Moshi 7B and the real Mimi on the `meta` device with the Triton path forced
+and its launches made no-ops (a meta tensor has no data, so anything that reads a value back shows up)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duplexd.engine.checkpoint import build_lm
+from duplexd.engine.config import MIMI_PRESETS, PRESETS
+from duplexd.engine.models.mimi import MimiModel
+from duplexd.engine.pipeline import Pipeline
+from duplexd.kernels.dispatch import force_triton
+
+from .host_sync import HostWork
+
+
+@pytest.fixture(scope="module")
+def meta_models():
+    lm = build_lm(PRESETS["moshi-7b"], device="meta", dtype=torch.bfloat16)
+    return lm, MimiModel(MIMI_PRESETS["mimi"]).to("meta")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Triton kernels run as no-ops: the wrappers, their argument handling and the dispatch still run."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
+
+
+def test_host_work_catches_what_it_should():
+    x = torch.arange(6, device="meta")
+    with HostWork() as mode:
+        int(x.max())
+        x.nonzero()
+        x.tolist()
+        torch.tensor([1, 2])
+        x[1:3]  # a view: nothing
+        x + 1  # device work: nothing
+    assert [op.kind for op in mode.ops] == ["sync", "sync", "sync", "cpu"], mode.ops
+    assert all("test_frame_host_sync" not in op.where for op in mode.ops)  # only duplexd's own lines are named
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["exact-batch", "padded-to-bucket"])
+def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(meta_models, no_launch, pad):
+    pipeline = Pipeline(*meta_models, num_slots=6, buckets=(1, 2, 4, 6), pad=pad)
+    for slot, position in ((0, 0), (2, 1), (3, 2999), (5, 7000)):  # warming up, first output, full and wrapped
+        pipeline.seek(slot, position)
+    pcm = torch.zeros(4, pipeline.frame_size, device="meta")
+    with force_triton(), HostWork() as mode:
+        out = pipeline.step([0, 2, 3, 5], pcm)
+    assert not mode.ops, "host work inside the frame step:\n" + "\n".join(map(str, mode.ops))
+    assert out.valid == [False, True, True, True]  # from the pipeline's own counts, not read back
+    assert out.pcm.shape == (4, pipeline.frame_size) and out.tokens.shape == (4, 1 + meta_models[0].cfg.dep_q)
+
+
+def test_the_public_mimi_calls_check_their_arguments_the_frame_calls_do_not(meta_models):
+    """The checks that read values (`MimiStreams.encode`/`decode`) stay out of the frame path, which uses
+    `encode_frame`/`decode_frame`; shown by the checked call making exactly its own syncs."""
+    pipeline = Pipeline(*meta_models, num_slots=2)
+    with HostWork() as mode:
+        pipeline.mimi.decode(torch.tensor([1], device="meta"), torch.zeros(1, 8, 1, dtype=torch.long, device="meta"))
+    assert {op.where.split(":")[0] for op in mode.ops if op.kind == "sync"} == {"models/mimi.py"}
