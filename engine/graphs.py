@@ -81,6 +81,7 @@ class BucketedCall:
                 buf[batch:].copy_(p.expand(bucket - batch, *p.shape[1:]))
             graph.replay()
             return tuple(out[:batch] for out in static_out)
+        inputs = tuple(x.to(p.device, non_blocking=True) for x, p in zip(inputs, self.pad_row, strict=True))
         padded = tuple(
             torch.cat([x, p.expand(bucket - batch, *p.shape[1:]).to(x.dtype)]) if bucket > batch else x
             for x, p in zip(inputs, self.pad_row, strict=True)

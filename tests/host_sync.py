@@ -25,7 +25,7 @@ _VIEWS = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.alias.defa
 
 @dataclass(frozen=True)
 class HostOp:
-    kind: str  # "sync" (the host waits for the device) or "cpu" (a CPU tensor is made)
+    kind: str  # "sync" (the host waits for the device, or feeds it a pageable tensor) or "cpu" (a CPU tensor is made)
     op: str
     where: str  # the innermost duplexd source line that made it
 
@@ -39,6 +39,16 @@ def _caller() -> str:
         if "/tests/" not in path and any(f"/{d}/" in path for d in ("engine", "kernels", "server", "duplexd")):
             return f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.lineno} {frame.line}"
     return "?"
+
+
+def _flat_tensors(args) -> list[torch.Tensor]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_flat_tensors(a))
+    return out
 
 
 def _stand_in(t: torch.Tensor, device: str) -> torch.Tensor:
@@ -69,6 +79,10 @@ class HostWork(TorchDispatchMode):
         ):
             self.ops.append(HostOp("sync", "copy to the host", _caller()))
             return _stand_in(tensors[0], "cpu")
+        if func not in (aten._to_copy.default, aten.copy_.default) and on_device and any(
+            t.device.type == "cpu" and t.dim() > 0 for t in _flat_tensors(args)
+        ):  # a device op reading a host tensor copies it over first, from pageable memory
+            self.ops.append(HostOp("sync", f"{func} on a host tensor", _caller()))
         out = func(*args, **kwargs)
         if func not in _VIEWS and any(
             isinstance(o, torch.Tensor) and o.device.type == "cpu" for o in (out if isinstance(out, tuple) else (out,))

@@ -4,6 +4,7 @@ and its launches made no-ops (a meta tensor has no data, so anything that reads 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,22 +37,28 @@ def test_host_work_catches_what_it_should():
         int(x.max())
         x.nonzero()
         x.tolist()
+        x[torch.tensor([1, 2])]  # a host index for a device tensor: made on the host, then copied
         torch.tensor([1, 2])
         x[1:3]  # a view: nothing
         x + 1  # device work: nothing
-    assert [op.kind for op in mode.ops] == ["sync", "sync", "sync", "cpu"], mode.ops
+    assert [op.kind for op in mode.ops] == ["sync", "sync", "sync", "cpu", "sync", "cpu"], mode.ops
     assert all("test_frame_host_sync" not in op.where for op in mode.ops)  # only duplexd's own lines are named
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["exact-batch", "padded-to-bucket"])
-def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(meta_models, no_launch, pad):
-    pipeline = Pipeline(*meta_models, num_slots=6, buckets=(1, 2, 4, 6), pad=pad)
+@pytest.mark.parametrize("mode", ["exact-batch", "padded-to-bucket", "graphs-before-capture"])
+def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(meta_models, no_launch, mode):
+    """Also the path of the engine's warm-up on CUDA: graphs on, nothing captured yet (inputs staged on the host
+    go through the padded eager call)."""
+    pipeline = Pipeline(*meta_models, num_slots=6, buckets=(1, 2, 4, 6), pad=mode != "exact-batch",
+                        graphs=mode == "graphs-before-capture")
     for slot, position in ((0, 0), (2, 1), (3, 2999), (5, 7000)):  # warming up, first output, full and wrapped
         pipeline.seek(slot, position)
-    pcm = torch.zeros(4, pipeline.frame_size, device="meta")
-    with force_triton(), HostWork() as mode:
+    # The engine hands host audio (staged, then copied); offline callers may hand a device tensor.
+    shape = (4, pipeline.frame_size)
+    pcm = torch.zeros(shape, device="meta") if mode == "exact-batch" else np.zeros(shape, np.float32)
+    with force_triton(), HostWork() as host:
         out = pipeline.step([0, 2, 3, 5], pcm)
-    assert not mode.ops, "host work inside the frame step:\n" + "\n".join(map(str, mode.ops))
+    assert not host.ops, "host work inside the frame step:\n" + "\n".join(map(str, host.ops))
     assert out.valid == [False, True, True, True]  # from the pipeline's own counts, not read back
     assert out.pcm.shape == (4, pipeline.frame_size) and out.tokens.shape == (4, 1 + meta_models[0].cfg.dep_q)
 
