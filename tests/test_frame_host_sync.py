@@ -70,3 +70,25 @@ def test_the_public_mimi_calls_check_their_arguments_the_frame_calls_do_not(meta
     with HostWork() as mode:
         pipeline.mimi.decode(torch.tensor([1], device="meta"), torch.zeros(1, 8, 1, dtype=torch.long, device="meta"))
     assert {op.where.split(":")[0] for op in mode.ops if op.kind == "sync"} == {"models/mimi.py"}
+
+
+def test_admission_is_host_bookkeeping_only():
+    """`open_session` runs on the server's event loop: it must not touch a tensor (a copy to the device would
+    wait for the step in flight). The slot's KV row reaches the device on the loop thread, before its first step."""
+    from duplexd.engine.config import DEMO, DEMO_MIMI, SamplingParams
+    from duplexd.engine.demo import random_lm
+    from duplexd.engine.scheduler import Engine, EngineConfig
+
+    engine = Engine(random_lm(DEMO, seed=0), MimiModel(DEMO_MIMI).init_weights_(0),
+                    config=EngineConfig(max_sessions=2, page_size=64))
+    engine.start()
+    try:
+        with HostWork() as host:
+            session = engine.open_session(SamplingParams(seed=3))
+        assert not host.ops, "\n".join(map(str, host.ops))
+        session.push(np.zeros(2 * engine.frame_size, np.float32))
+        assert session.get(timeout=30) is not None
+        row = engine.kv.host_tables[session.slot]
+        assert engine.kv.tables[session.slot].tolist() == row.tolist() and (row != engine.kv.scratch).any()
+    finally:
+        engine.stop()
