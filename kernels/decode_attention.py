@@ -180,12 +180,17 @@ def _combine_kernel(
     tl.store(o_ptr + b * so_b + h * so_h + dims, out.to(o_ptr.dtype.element_ty), mask=dmask)
 
 
-def _default_split_len(batch: int, heads: int, span: int, device: torch.device) -> int:
+def multiprocessor_count(device: torch.device) -> int | None:
+    """SMs of a CUDA device, None elsewhere. A module function so a test can give a `meta` launch an H200's 132
+    and compile the grid the GPU would get."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _default_split_len(batch: int, heads: int, span: int, sms: int | None) -> int:
     """Enough splits for about 4 programs per SM, never fewer than BLOCK_N keys per split."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 1
+    target = 4 * sms if sms else 1
     splits = max(1, min(triton.cdiv(target, max(batch * heads, 1)), triton.cdiv(span, BLOCK_N)))
     return triton.cdiv(triton.cdiv(span, splits), BLOCK_N) * BLOCK_N
 
@@ -212,7 +217,7 @@ def decode_attention_triton(
     max_pages = block_table.shape[1]
     window = _window(window, page_size, max_pages)
     span = max(window, 1)
-    split_len = split_len or _default_split_len(batch, heads, span, q.device)
+    split_len = split_len or _default_split_len(batch, heads, span, multiprocessor_count(q.device))
     n_splits = triton.cdiv(span, split_len)
     block_table = block_table.to(torch.int32)
     lengths = lengths.to(torch.int32)
