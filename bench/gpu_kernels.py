@@ -74,11 +74,14 @@ def cases(batches: list[int], lengths: list[int], dev: str = "cuda"):
                lambda g=gv: silu_gate.silu_gate_reference(g),
                lambda g=gv: _tol(silu_gate.silu_gate_triton(g), silu_gate.silu_gate_reference(g.float()), 3e-2))
 
-        for vocab, temp, k in ((TEXT_CARD, 0.7, 25), (CARD, 0.8, 250)):
+        # The engine's streams: 0 for the text token, 1 + step for the DepFormer's codebooks (1 is the value an
+        # int argument is specialised on, so both must launch).
+        for vocab, temp, k, stream in ((TEXT_CARD, 0.7, 25, 0), (CARD, 0.8, 250, 1)):
             logits = torch.randn(b, vocab, device=dev) * 3
             args = (logits, torch.full((b,), temp, device=dev), torch.full((b,), k, device=dev),
-                    torch.arange(b, device=dev), torch.full((b,), 17, device=dev), 1)
-            yield (f"sample V={vocab}", f"B={b}", logits.numel() * 4, lambda a=args: sampling.sample_triton(*a),
+                    torch.arange(b, device=dev), torch.full((b,), 17, device=dev), stream)
+            yield (f"sample V={vocab}", f"B={b} s={stream}", logits.numel() * 4,
+                   lambda a=args: sampling.sample_triton(*a),
                    lambda a=args: sampling.sample_reference(*a),
                    lambda a=args: _same(sampling.sample_triton(*a), sampling.sample_reference(*a)))
 

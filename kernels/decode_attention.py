@@ -28,6 +28,10 @@ from ._triton import tl, triton
 from .dispatch import use_triton
 
 BLOCK_N = 64  # keys per inner iteration
+# At most 256 keys per split: 128 KiB of bf16 keys and values per program at head dim 128 amortise its setup and its
+# 0.5 KiB partial output (< 1% extra traffic), and a 3000-key window becomes 12 programs per head, so any batch
+# from 8 rows up fills several waves of an H200 and rows of ragged lengths spread evenly over the SMs.
+MAX_SPLIT_LEN = 256
 
 
 def _window(window: int, page_size: int, max_pages: int) -> int:
@@ -180,13 +184,20 @@ def _combine_kernel(
     tl.store(o_ptr + b * so_b + h * so_h + dims, out.to(o_ptr.dtype.element_ty), mask=dmask)
 
 
-def _default_split_len(batch: int, heads: int, span: int, device: torch.device) -> int:
-    """Enough splits for about 4 programs per SM, never fewer than BLOCK_N keys per split."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 1
-    splits = max(1, min(triton.cdiv(target, max(batch * heads, 1)), triton.cdiv(span, BLOCK_N)))
+def multiprocessor_count(device: torch.device) -> int | None:
+    """SMs of a CUDA device, None elsewhere. A module function so a test can give a `meta` launch an H200's 132
+    and compile the grid the GPU would get."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _default_split_len(batch: int, heads: int, span: int, sms: int | None) -> int:
+    """Keys per split: at most MAX_SPLIT_LEN, fewer where the grid would otherwise have under 4 programs per SM,
+    never under BLOCK_N (a multiple of it). Static sizes only, never the lengths: a CUDA graph replays the grid."""
+    target = 4 * sms if sms else 1
+    fill = min(triton.cdiv(target, max(batch * heads, 1)), triton.cdiv(span, BLOCK_N))
+    splits = max(triton.cdiv(span, MAX_SPLIT_LEN), fill, 1)
     return triton.cdiv(triton.cdiv(span, splits), BLOCK_N) * BLOCK_N
 
 
@@ -212,7 +223,7 @@ def decode_attention_triton(
     max_pages = block_table.shape[1]
     window = _window(window, page_size, max_pages)
     span = max(window, 1)
-    split_len = split_len or _default_split_len(batch, heads, span, q.device)
+    split_len = split_len or _default_split_len(batch, heads, span, multiprocessor_count(q.device))
     n_splits = triton.cdiv(span, split_len)
     block_table = block_table.to(torch.int32)
     lengths = lengths.to(torch.int32)

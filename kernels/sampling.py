@@ -92,7 +92,9 @@ def _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V: tl.constexp
     return x, tl.where(mask, key, 0), mask, cols
 
 
-@triton.jit
+# `stream` is data (0 for text, 1 + step in the DepFormer), not a size: unspecialised, the value 1 does not become a
+# compile-time constant, and one compiled kernel serves every stream.
+@triton.jit(do_not_specialize=["stream"])
 def _sample_kernel(
     logits_ptr, temp_ptr, topk_ptr, seed_ptr, frame_ptr, out_ptr,
     n_rows, vocab, stride, stream,

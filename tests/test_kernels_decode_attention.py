@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from duplexd.kernels import decode_attention as da
 from duplexd.kernels.decode_attention import (
+    BLOCK_N,
+    MAX_SPLIT_LEN,
     decode_attention,
     decode_attention_reference,
     decode_attention_torch,
@@ -86,6 +89,45 @@ def test_default_split_and_strided_pool_views():
     with force_triton():
         torch.testing.assert_close(decode_attention(q, k_pages, v_pages, table, lengths, 30), out)
     torch.testing.assert_close(decode_attention(q, k_pages, v_pages, table, lengths, 30), want.float())
+
+
+@pytest.mark.parametrize("sms", [None, 132])
+def test_default_splits_with_short_rows_and_rows_past_the_window(sms, monkeypatch):
+    """The heuristic's own split count (one per 256 keys on CPU, one per 64 with an H200's SMs): a row of 5 keys
+    (shorter than a split, the other splits empty), one just past a split, one past the window whose ring of
+    pages wrapped, and an empty row."""
+    monkeypatch.setattr(da, "multiprocessor_count", lambda device: sms)
+    window, page_size, max_pages = 600, 16, 40
+    q, k_pages, v_pages, table = _case(seed=8, batch=4, heads=2, head_dim=16, page_size=page_size,
+                                       max_pages=max_pages, num_pages=4 * max_pages + 3)
+    split_len = da._default_split_len(4, 2, window, sms)
+    assert -(-window // split_len) == (3 if sms is None else 10)
+    lengths = torch.tensor([5, split_len + 4, 0, 900])
+    with poisoned_allocations():
+        out = decode_attention_triton(q, k_pages, v_pages, table, lengths, window)
+    want = _naive(q, k_pages, v_pages, table, lengths, window)
+    assert torch.isfinite(out).all() and (out[2] == 0).all()
+    assert (out.double() - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("batch, split_len, splits", [(1, 192, 16), (8, 256, 12), (32, 256, 12), (64, 256, 12),
+                                                      (128, 256, 12)])
+def test_split_heuristic_on_an_h200(batch, split_len, splits):
+    """Moshi 7B (32 heads, a 3000-frame window) on 132 SMs: 16 splits of 192 keys (512 programs, 4 per SM) for one
+    row, then never more than 256 keys per split, so a batch of 32 is 12288 programs, not 1024 whole windows."""
+    got = da._default_split_len(batch, 32, 3000, 132)
+    assert (got, -(-3000 // got)) == (split_len, splits)
+
+
+def test_split_heuristic_bounds():
+    for sms in (None, 1, 132):
+        for batch in (1, 2, 3, 8, 17, 64, 256):
+            for span in (1, 63, 64, 65, 700, 3000, 10_000):
+                split_len = da._default_split_len(batch, 32, span, sms)
+                splits = -(-span // split_len)
+                assert split_len % BLOCK_N == 0 and BLOCK_N <= split_len <= MAX_SPLIT_LEN
+                if sms:  # 4 programs per SM (or a split per BLOCK_N keys), less at most half by whole-tile rounding
+                    assert 2 * batch * 32 * splits >= min(4 * sms, batch * 32 * -(-span // BLOCK_N))
 
 
 @pytest.mark.parametrize("window", [1, 11, 12, 15, 1000])

@@ -1,0 +1,267 @@
+"""Compile every Triton kernel the engine launches for sm_90a (H200) with the engine's real arguments, no GPU.
+
+The interpreter the unit tests use does not specialise arguments; the GPU compiler does (an int argument equal to
+1 becomes a compile-time constant, ints divisible by 16 and 16-byte-aligned pointers get hints), so a kernel can
+pass every interpreter test and still fail to compile for the engine. This script installs a stand-in driver
+that reports an sm_90 device, steps `LMGen` over a Moshi 7B model on the `meta` device (no memory, no data; a
+meta view's `data_ptr()` is its byte offset, so alignment hints come out as on the GPU) and, instead of launching,
+compiles each launch exactly as Triton would (specialisation, front end, ptxas) and records the result. Then it
+compiles each kernel once more with every integer argument set to 1, so an argument that is never 1 in today's
+engine but could be tomorrow cannot hide a constexpr bug. ptxas reports registers and spills.
+
+Positions reach the kernels only as tensor data (lengths, rotary angles, frames), never as Python ints, so the
+static arguments, and therefore the compiled variants, depend on the batch size, the DepFormer stream and the
+sizes of the model and pool alone; the `meta` device cannot hold positions anyway.
+
+Must run without TRITON_INTERPRET (kernels decorated in interpreter mode are not JITFunctions):
+`python tests/sm90_compile.py [--json report.json]` prints a table; tests/test_sm90_compile.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SM90_SMS = 132  # streaming multiprocessors of an H200 (and an H100 SXM)
+BATCHES = (1, 3, 64)  # a single session, an odd (unbucketed) batch, a large bucket
+ONES = "every int argument = 1"
+
+
+class Sm90Driver:
+    """Stand-in for Triton's CUDA driver: targets sm_90, launches nothing."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+def ptxas_usage(ptx: str) -> dict[str, int]:
+    """Registers, spills and stack of a kernel's PTX, from `ptxas -v` run the way Triton runs it for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "kernel.ptx")
+        src.write_text(ptx)
+        cmd = [get_ptxas(90).path, "-lineinfo", "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a", str(src),
+               "-o", str(Path(tmp, "kernel.cubin"))]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    text = log.stdout + log.stderr
+
+    def grab(pattern: str) -> int:
+        match = re.search(pattern, text)
+        if match is None:
+            raise RuntimeError(f"no {pattern!r} in the ptxas log:\n{text}")
+        return int(match.group(1))
+
+    return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
+            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
+
+
+def _signature(jit_fn, specialization: list[tuple[str, Any]]) -> str:
+    """`name:type` per argument: `/16` marks a divisibility (or alignment) hint, `=v` a compile-time constant."""
+    parts = []
+    for param, (kind, attr) in zip(jit_fn.params, specialization, strict=True):
+        if kind == "constexpr":
+            parts.append(f"{param.name}={attr}")
+        else:
+            parts.append(f"{param.name}:{kind}{'/16' if attr == 'D' else ''}")
+    return " ".join(parts)
+
+
+class Recorder:
+    """Stands in for `JITFunction.run`: a launch compiles (once per specialisation), is recorded, runs nothing."""
+
+    def __init__(self) -> None:
+        from triton.runtime.jit import JITFunction
+
+        self.compile_only = JITFunction.run  # the real one, called with warmup=True: compiles, launches nothing
+        self.variants: dict[tuple, dict[str, Any]] = {}
+        self.first_launch: dict[str, tuple[Any, tuple, dict]] = {}
+        self.context = ""
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        from triton.runtime.jit import JITFunction
+
+        JITFunction.run = lambda jit_fn, *args, grid, warmup, **kwargs: self.launch(jit_fn, args, kwargs, grid)
+        try:
+            yield
+        finally:
+            JITFunction.run = self.compile_only
+
+    def launch(self, jit_fn, args: tuple, kwargs: dict, grid: Any) -> None:
+        self.first_launch.setdefault(f"{jit_fn.module}.{jit_fn.__name__}", (jit_fn, args, kwargs))
+        self.compile(jit_fn, args, kwargs, grid, self.context)
+
+    def compile(self, jit_fn, args: tuple, kwargs: dict, grid: Any, context: str) -> None:
+        from triton.runtime import driver
+
+        binder = jit_fn.device_caches[driver.active.get_current_device()][4]
+        _, specialization, options = binder(*args, **kwargs)
+        key = (jit_fn.module, jit_fn.__name__, tuple(map(str, specialization)), tuple(sorted(options.items())))
+        record = self.variants.get(key)
+        if record is None:
+            record = self.variants[key] = {
+                "kernel": jit_fn.__name__, "module": jit_fn.module, "signature": _signature(jit_fn, specialization),
+                "options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
+                "contexts": [], "grids": [], "error": None,
+            }
+            try:
+                kernel = self.compile_only(jit_fn, *args, grid=grid, warmup=True, **kwargs)
+                record.update(num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared,
+                              **ptxas_usage(kernel.asm["ptx"]))
+            except Exception as e:  # the report carries every failure; the test asserts there are none
+                record["error"] = f"{type(e).__name__}: {e}"
+        if context not in record["contexts"]:
+            record["contexts"].append(context)
+        grid = list(grid) if isinstance(grid, tuple) else repr(grid)
+        if grid not in record["grids"]:
+            record["grids"].append(grid)
+
+
+def kernel_inventory() -> tuple[list[str], list[str]]:
+    """(kernels, device functions) among the `@triton.jit` functions defined in `duplexd.kernels`: a jit function
+    that another one calls is a device function, every other one is a kernel that some launch must compile."""
+    from triton.runtime.jit import JITFunction
+
+    import duplexd.kernels as package
+
+    jit_fns = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
+                jit_fns[f"{value.fn.__module__}.{name}"] = value
+    called = set()
+    for jit_fn in jit_fns.values():
+        for node in ast.walk(ast.parse(jit_fn.src)):
+            target = jit_fn.fn.__globals__.get(node.id) if isinstance(node, ast.Name) else None
+            if isinstance(target, JITFunction) and target is not jit_fn:
+                called.add(f"{target.fn.__module__}.{target.fn.__name__}")
+    return sorted(set(jit_fns) - called), sorted(called)
+
+
+def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | None) -> None:
+    """`LMGen.step` under `force_triton` at each batch size: Moshi 7B (`layers` temporal and DepFormer layers if
+    given), bf16 weights, on `meta`."""
+    from duplexd.engine.checkpoint import build_lm
+    from duplexd.engine.config import PRESETS
+    from duplexd.engine.lm_gen import LMGen
+    from duplexd.kernels.dispatch import force_triton
+
+    cfg = PRESETS["moshi-7b"]
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=layers, depformer_num_layers=layers)
+    model = build_lm(cfg, device="meta", dtype=torch.bfloat16)
+    for batch in batches:
+        gen = LMGen(model, num_slots=batch)
+        user_codes = torch.zeros(batch, cfg.num_user_codebooks, dtype=torch.long, device="meta")
+        recorder.context = f"LMGen.step B={batch}"
+        with force_triton():
+            gen.step(torch.arange(batch, device="meta"), user_codes)
+
+
+def ints_set_to_one(recorder: Recorder) -> None:
+    """Compile each launched kernel once more with every (non-constexpr) int argument equal to 1."""
+    for jit_fn, args, kwargs in list(recorder.first_launch.values()):
+        ones = tuple(1 if isinstance(a, int) and not isinstance(a, bool) else a for a in args)
+        recorder.compile(jit_fn, ones, kwargs, None, ONES)
+
+
+def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: int = SM90_SMS) -> dict[str, Any]:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("run without TRITON_INTERPRET: interpreted kernels do not compile")
+    from triton.runtime import driver
+
+    from duplexd.kernels import decode_attention
+
+    driver.set_active(Sm90Driver())
+    decode_attention.multiprocessor_count = lambda device: sms
+    recorder = Recorder()
+    with recorder.installed():
+        drive_engine(recorder, batches, layers)
+    ints_set_to_one(recorder)
+    kernels, device_functions = kernel_inventory()
+    compiled = {f"{r['module']}.{r['kernel']}" for r in recorder.variants.values()}
+    return {"target": "sm_90a", "sms": sms, "batches": list(batches), "layers": layers, "kernels": kernels,
+            "device_functions": device_functions, "never_compiled": sorted(set(kernels) - compiled),
+            "variants": list(recorder.variants.values())}
+
+
+def engine_variants(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The variants some engine launch compiles (not only the every-int-is-1 sweep, whose code is degenerate)."""
+    return [v for v in report["variants"] if any(c != ONES for c in v["contexts"])]
+
+
+def table(report: dict[str, Any]) -> str:
+    """Per kernel: errors over all variants; over the engine's variants, their count and the worst registers,
+    spills, stack and shared memory."""
+    rows = {}
+    for v in report["variants"]:
+        row = rows.setdefault(v["kernel"], {"variants": 0, "errors": 0, "registers": 0, "spills": 0, "stack": 0,
+                                            "shared": 0})
+        row["errors"] += bool(v["error"])
+    for v in engine_variants(report):
+        row = rows[v["kernel"]]
+        row["variants"] += 1
+        if v["error"]:
+            continue
+        row["registers"] = max(row["registers"], v["registers"])
+        row["spills"] = max(row["spills"], v["spill_stores"] + v["spill_loads"])
+        row["stack"] = max(row["stack"], v["stack"])
+        row["shared"] = max(row["shared"], v["shared"])
+    lines = [f"{'kernel':<20} {'variants':>8} {'errors':>6} {'regs':>5} {'spill B':>7} {'stack B':>7} {'smem B':>7}"]
+    for name, r in sorted(rows.items()):
+        lines.append(f"{name:<20} {r['variants']:>8} {r['errors']:>6} {r['registers']:>5} {r['spills']:>7} "
+                     f"{r['stack']:>7} {r['shared']:>7}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the full report here")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--layers", type=int, help="temporal and DepFormer layers (default: the real 32 and 6)")
+    args = parser.parse_args()
+    report = collect(tuple(args.batches), args.layers)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    sys.stdout.write(table(report) + "\n")
+    for v in report["variants"]:
+        if v["error"]:
+            sys.stdout.write(f"\n{v['kernel']} [{v['signature']}] ({'; '.join(v['contexts'])}):\n{v['error']}\n")
+    if report["never_compiled"]:
+        sys.stdout.write(f"\nnever compiled: {', '.join(report['never_compiled'])}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
