@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 DIM, HEADS, HEAD_DIM, HIDDEN, TEXT_CARD, CARD = 4096, 32, 128, 11264, 32000, 2048
-PAGE_SIZE = 16
+PAGE_SIZE, WINDOW = 64, 3000  # the engine's page size and Moshi's attention window
 BF16 = torch.bfloat16
 
 
@@ -87,14 +87,14 @@ def cases(batches: list[int], lengths: list[int], dev: str = "cuda"):
 
         for length in lengths:
             q = torch.randn(b, HEADS, HEAD_DIM, device=dev, dtype=BF16)
-            pages_per_row = -(-length // PAGE_SIZE)
+            pages_per_row = -(-WINDOW // PAGE_SIZE)  # the engine's table: a column per page of the window
             num_pages = b * pages_per_row
             kp = torch.randn(num_pages, PAGE_SIZE, HEADS, HEAD_DIM, device=dev, dtype=BF16)
             vp = torch.randn_like(kp)
             table = torch.randperm(num_pages, device=dev).view(b, pages_per_row).to(torch.int32)
             lens = torch.full((b,), length, device=dev)
             moved = 2 * b * length * DIM * 2 + 2 * b * DIM * 2
-            call = (q, kp, vp, table, lens, 3000)
+            call = (q, kp, vp, table, lens, WINDOW)
             yield ("decode_attention", f"B={b} L={length}", moved, lambda c=call: da.decode_attention_triton(*c),
                    lambda c=call: da.decode_attention_reference(*c),
                    lambda c=call: _tol(da.decode_attention_triton(*c), da.decode_attention_reference(
