@@ -34,7 +34,7 @@ from .errors import CapacityError
 from .graphs import default_buckets
 from .kv_cache import PagedKVCache, window_pages
 from .models.lm import LMModel
-from .models.mimi import MimiModel
+from .models.mimi import MimiModel, MimiStreams
 from .pipeline import Pipeline
 from .session import Session, SessionOutput
 from .tokenizer import TextTokenizer
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineConfig", "EngineStats", "Session", "SessionOutput", "StepRecord"]
 
 GiB = 2**30
-CUDA_HEADROOM = 4 * GiB  # left free beside the KV pool for activations, graphs and Mimi when sizing from memory
+CUDA_HEADROOM = 4 * GiB  # left free beside the KV pool and Mimi's streams for activations, graphs and workspaces
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,15 @@ class EngineStats:
     device: str
 
 
-def pool_pages(lm: LMModel, config: EngineConfig, per_session: int) -> int:
-    """Pages in the KV pool: from `kv_memory`, else from free CUDA memory, else one window per slot."""
+def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: int) -> int:
+    """Pages in the KV pool: from `kv_memory`, else from free CUDA memory, else one window per slot.
+
+    From CUDA memory: what is free now, less the Mimi streams the engine allocates next and `CUDA_HEADROOM` for
+    the frame's activations, graph pools and library workspaces (a frame's activations at 128 sessions are under
+    1 GB, nearly all Mimi's: peak RSS of its encode + decode on the CPU; held twice, by the eager warm-up's cached
+    blocks and by the graph pool), capped at a whole window per slot. The pool is two allocations: no
+    fragmentation.
+    """
     cfg = lm.cfg
     page = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, config.page_size, lm.text_emb.dtype)
     wanted = config.max_sessions * per_session
@@ -100,7 +107,10 @@ def pool_pages(lm: LMModel, config: EngineConfig, per_session: int) -> int:
         pages = config.kv_memory // page
     elif torch.device(config.device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        pages = min(wanted, max(free - CUDA_HEADROOM, 0) * 9 // 10 // page)
+        streams = MimiStreams.state_bytes(mimi, config.max_sessions)
+        pages = min(wanted, max(free - streams - CUDA_HEADROOM, 0) // page)
+        logger.info("KV pool from CUDA memory: %.2f GiB free, %.2f GiB for Mimi's streams, %.2f GiB kept free",
+                    free / GiB, streams / GiB, CUDA_HEADROOM / GiB)
     else:
         pages = wanted
     if pages < per_session:
@@ -121,7 +131,7 @@ class Engine:
         cfg = lm.cfg
         page_size = config.page_size
         per_session = window_pages(cfg.context, page_size, config.max_session_frames)
-        kv = lm.new_kv_cache(config.max_sessions, pool_pages(lm, config, per_session), page_size)
+        kv = lm.new_kv_cache(config.max_sessions, pool_pages(lm, mimi, config, per_session), page_size)
         self.kv = kv
         logger.info(
             "KV cache: %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from duplexd.engine.config import DEMO_MIMI, LMConfig, SamplingParams
+from duplexd.engine.config import DEMO_MIMI, ConfigError, LMConfig, SamplingParams
 from duplexd.engine.demo import random_lm
 from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.models.mimi import MimiModel
@@ -334,3 +334,25 @@ def _wait(condition, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.005)
+
+
+def test_kv_pool_from_cuda_memory_leaves_room_for_mimi_streams_and_headroom(models, monkeypatch):
+    """Sizing from free GPU memory, checked on the CPU with the free-memory query stubbed."""
+    import torch
+
+    from duplexd.engine.kv_cache import PagedKVCache
+    from duplexd.engine.models.mimi import MimiStreams
+    from duplexd.engine.scheduler import CUDA_HEADROOM, pool_pages
+
+    lm, mimi = models
+    cfg = lm.cfg
+    page = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, 8, lm.text_emb.dtype)
+    streams = MimiStreams.state_bytes(mimi, 4)
+    assert streams > 0
+    free = CUDA_HEADROOM + streams + 7 * page + page // 2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    config = EngineConfig(max_sessions=4, page_size=8, device="cuda")
+    assert pool_pages(lm, mimi, config, per_session=3) == 7  # what is left after streams and headroom
+    assert pool_pages(lm, mimi, EngineConfig(max_sessions=2, page_size=8, device="cuda"), per_session=3) == 6
+    with pytest.raises(ConfigError, match="cannot hold one session"):
+        pool_pages(lm, mimi, config, per_session=8)

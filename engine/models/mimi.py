@@ -507,6 +507,15 @@ def reference_keys(model: MimiModel, naming: str = "module") -> list[tuple[str, 
 # --------------------------------------------------------------------------------------------------- streams
 
 
+def _init_states(roots: list[nn.Module], rows: int, device, dtype) -> dict[nn.Module, dict[str, _Buffer]]:
+    out = {}
+    for root in roots:
+        for m in root.modules():
+            if hasattr(m, "init_state") and (state := m.init_state(rows, device=device, dtype=dtype)):
+                out[m] = state
+    return out
+
+
 class MimiStreams:
     """Streaming encoder and decoder state for `num_slots` independent audio streams, allocated once.
 
@@ -528,18 +537,15 @@ class MimiStreams:
         self.model, self.num_slots, self.scratch_slot = model, num_slots, num_slots
         self.cfg = model.cfg
         p = next(model.parameters())
-        factory = {"device": p.device, "dtype": p.dtype}
+        self._encoder = _init_states(model.encoder_modules, num_slots + 1, p.device, p.dtype)
+        self._decoder = _init_states(model.decoder_modules, num_slots + 1, p.device, p.dtype)
 
-        def states(roots: list[nn.Module]) -> dict[nn.Module, dict[str, _Buffer]]:
-            out = {}
-            for root in roots:
-                for m in root.modules():
-                    if hasattr(m, "init_state") and (s := m.init_state(num_slots + 1, **factory)):
-                        out[m] = s
-            return out
-
-        self._encoder = states(model.encoder_modules)
-        self._decoder = states(model.decoder_modules)
+    @staticmethod
+    def state_bytes(model: MimiModel, num_slots: int) -> int:
+        """Device memory the streams of `num_slots` slots take (to size other pools before allocating them)."""
+        dtype = next(model.parameters()).dtype
+        states = _init_states(model.encoder_modules + model.decoder_modules, num_slots + 1, "meta", dtype)
+        return sum(b.data.nbytes for bufs in states.values() for b in bufs.values())
 
     def reset(self, slot: int, *, encoder: bool = True, decoder: bool = True) -> None:
         """Start `slot` afresh (by default both directions); other slots are untouched."""
