@@ -2,7 +2,7 @@
 
 Usage: python bench/gpu_capacity.py [--batches 1 8 32 48 64 72 80] [--steps 200] [--position 2999]
            [--granularity 4] [--budget-ms 80] [--session-frames N] [--kv-memory BYTES] [--max-sessions N]
-           [--preset moshi-7b] [--device cuda] [--out DIR]
+           [--preset moshi-7b] [--device cuda] [--out DIR]        (CUDA defaults shown)
 
 The preset's LM with random weights drawn on the device (bf16 on CUDA, as `duplexd serve --random-weights`) and
 its Mimi (fp32) run in one `Engine` with CUDA graphs. The KV pool is sized by the engine's own rule (what
@@ -49,12 +49,11 @@ from duplexd.engine.kv_cache import window_pages  # noqa: E402
 from duplexd.engine.models.lm import LMModel  # noqa: E402
 from duplexd.engine.scheduler import Engine, EngineConfig, EngineStats, StepRecord, pool_pages  # noqa: E402
 
-logger = logging.getLogger("gpu_capacity")
-
 FRAME_MS = 80.0
 WARM_STEPS = 3  # full-batch steps after the seek that are not timed (first reads of the whole window)
 EXTRA_FRAMES = 2  # frames per session beyond the timed ones: the first session queued runs one step ahead
 MIN_P99_SAMPLES = 200  # below this a p99 is little more than the maximum, and the output says so
+CPU_STEPS = 30  # the CPU dry run's default: quick, and its p99 is said to be little more than the maximum
 OK, NO_FIT, FAILED = "ok", "does not fit", "FAILED"
 
 
@@ -295,8 +294,10 @@ def headline(sweep: Sweep, limit: int, budget_ms: float, granularity: int) -> li
         f = sweep.failed
         return [f"FAILED at batch {f.batch}: {f.error}", "no capacity is claimed: a batch whose steps fail is not "
                 "real-time, whatever its step times"]
+    bound = ("the KV pool admits no more: memory, not step time, is the limit" if sweep.capacity == limit
+             else f"the KV pool admits {limit}; bisected to within {granularity}")
     lines = [f"capacity: {sweep.capacity} real-time sessions (largest batch with p99 step <= {budget_ms:g} ms, "
-             f"Mimi + LM + host copies; the KV pool admits {limit}; bisected to within {granularity})"]
+             f"Mimi + LM + host copies; {bound})"]
     one = sweep.result(1)
     if one is not None and one.samples_ms:
         lines.append(f"batch-1 step: p50 {one.stat(50):.2f} ms, p99 {one.stat(99):.2f} ms")
@@ -343,9 +344,11 @@ def last_line(report: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 48, 64, 72, 80],
-                        help="grid, run upward before the bisection (1 is always measured)")
-    parser.add_argument("--steps", type=int, default=MIN_P99_SAMPLES, help="timed steps per batch")
+    parser.add_argument("--batches", type=int, nargs="+",
+                        help="grid, run upward before the bisection; 1 is always measured (default "
+                        "1 8 32 48 64 72 80 on CUDA, 1 2 4 on CPU)")
+    parser.add_argument("--steps", type=int,
+                        help=f"timed steps per batch (default {MIN_P99_SAMPLES} on CUDA, {CPU_STEPS} on CPU)")
     parser.add_argument("--position", type=int, default=2999, help="conversation position of every session")
     parser.add_argument("--granularity", type=int, default=4, help="bisect over multiples of this")
     parser.add_argument("--budget-ms", type=float, default=FRAME_MS, help="p99 step budget")
@@ -358,6 +361,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, help="write gpu_capacity.json and gpu_capacity.md here")
     args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.batches = args.batches or ([1, 8, 32, 48, 64, 72, 80] if cuda else [1, 2, 4])
+    args.steps = args.steps or (MIN_P99_SAMPLES if cuda else CPU_STEPS)
     if args.steps < 1 or args.granularity < 1 or min(args.batches) < 1:
         parser.error("--steps, --granularity and --batches must be >= 1")
     return args
