@@ -13,7 +13,7 @@ logger = logging.getLogger("duplexd.server")
 
 # flag -> settings field, for flags whose value is passed through as is
 _FIELDS = ("host", "port", "ssl_certfile", "ssl_keyfile", "moshi_weight", "mimi_weight", "tokenizer", "config",
-           "hf_repo", "mimi_preset", "dtype", "max_sessions", "kv_memory", "max_pending_frames",
+           "hf_repo", "mimi_preset", "random_weights", "dtype", "max_sessions", "kv_memory", "max_pending_frames",
            "max_output_frames", "api_key", "allowed_origins", "max_session_seconds", "idle_timeout", "send_timeout",
            "max_message_bytes", "ws_ping_interval", "ws_ping_timeout", "log_level", "instance_name", "static")
 
@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--config", help="reference config.json for the LM")
     model.add_argument("--hf-repo", help="take every file not given from this Hugging Face repo")
     model.add_argument("--mimi-preset", choices=("mimi", "demo"), help="Mimi architecture (default mimi)")
+    model.add_argument("--random-weights", metavar="PRESET",
+                       help="serve an LM preset (moshi-7b, demo) and its Mimi with random weights drawn on the "
+                       "device: no files, no download; it speaks noise (for capacity tests)")
     model.add_argument("--device", action="append", dest="devices",
                        help="device to run an engine on; repeat or comma-separate for several (default cpu)")
     model.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
@@ -102,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
     if settings.static not in ("auto", "none") and not Path(settings.static).is_dir():
         raise CheckpointError(f"static directory not found: {settings.static}")
     url = f"{settings.scheme}://{settings.host}:{settings.port}"
-    what = "the DEMO model (random weights: it speaks noise)" if settings.demo else "the given weights"
+    if settings.random_weights:
+        what = f"the {settings.random_weights} preset with RANDOM weights (no checkpoint: it speaks noise)"
+    else:
+        what = "the DEMO model (random weights: it speaks noise)" if settings.demo else "the given weights"
     logger.info("duplexd serve: %s on %s, %d sessions per device, at %s", what, ",".join(settings.devices),
                 settings.max_sessions, url)
     runtime = load_runtime(settings)

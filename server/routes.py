@@ -52,7 +52,8 @@ def models(request: Request, ctx: Context) -> dict:
     info = ctx.runtime.info
     return {"object": "list", "data": [{
         "id": info.id, "object": "model", "created": info.created, "owned_by": "duplexd",
-        "demo": info.demo, "sample_rate": info.sample_rate, "frame_size": info.frame_size,
+        "demo": info.demo, "random_weights": info.random_weights is not None,
+        "sample_rate": info.sample_rate, "frame_size": info.frame_size,
         "devices": list(info.devices), "max_sessions": ctx.runtime.capacity(),
         "protocols": ["/api/chat", "/v1/realtime"],
     }]}

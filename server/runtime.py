@@ -1,7 +1,10 @@
 """The models and engines behind the server: loaded before the port is bound, warmed after.
 
 One engine per device; a new session goes to the engine that can admit the most, so a multi-GPU server fills
-evenly. Loading errors (missing or corrupt files, bad configs) surface here, before uvicorn starts.
+evenly. Loading errors (missing or corrupt files, bad configs, a tokenizer too small for the LM) surface here,
+before uvicorn starts. `--random-weights PRESET` builds the preset's LM and Mimi with random weights on the device
+instead (no files, no download), so a machine without checkpoints can still serve at full size, e.g. to measure
+capacity; it has learnt nothing and speaks noise.
 """
 
 from __future__ import annotations
@@ -10,18 +13,22 @@ import argparse
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from duplexd.engine.checkpoint import load_lm, load_mimi
-from duplexd.engine.config import MIMI_PRESETS, ConfigError, SamplingParams
+from duplexd.engine.checkpoint import build_lm, load_lm, load_mimi
+from duplexd.engine.config import MIMI_PRESETS, PRESETS, ConfigError, LMConfig, SamplingParams
+from duplexd.engine.demo import ensure_demo
 from duplexd.engine.errors import CapacityError
 from duplexd.engine.hub import resolve_file
+from duplexd.engine.models.lm import LMModel
+from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.scheduler import Engine, EngineConfig, EngineStats, Session
 from duplexd.engine.tokenizer import TextTokenizer
 from duplexd.infer import DTYPES, TOKENIZER_NAME, ModelFiles, model_files
 
-from .settings import ServerSettings
+from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,7 @@ class ModelInfo:
     sample_rate: int
     frame_size: int
     devices: tuple[str, ...]
+    random_weights: str | None = None  # the LM preset, when its weights are random
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -55,9 +63,51 @@ def weight_dtype(settings: ServerSettings, device: str) -> torch.dtype:
     return DTYPES[settings.dtype]
 
 
+@torch.no_grad()
+def random_models(preset: str, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[LMModel, MimiModel]:
+    """The preset's LM in `dtype` and its Mimi in fp32, random weights drawn on the device: a 7B model is ready
+    in seconds, with the released shapes, so its step costs what the real one does."""
+    lm = build_lm(PRESETS[preset], device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in lm.named_parameters():
+        if name.endswith("norm"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 1.0 if "emb" in name else p.shape[-1] ** -0.5, generator=gen)
+    mimi = MimiModel(MIMI_PRESETS[RANDOM_WEIGHTS_MIMI[preset]]).init_weights_(seed).to(device)
+    return lm, mimi
+
+
+class RandomTextTokenizer(TextTokenizer):
+    """The demo tokenizer read over a random-weight LM's whole text vocabulary: ids past its pieces show as
+    `<id>`. Such an LM writes noise anyway, and its text head keeps the preset's size (and cost)."""
+
+    def __init__(self, path: str | Path, text_card: int) -> None:
+        super().__init__(path)
+        self.pieces, self.text_card = self.sp.GetPieceSize(), text_card
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.pieces, self.text_card)
+
+    def piece(self, token: int) -> str:
+        return super().piece(token) if token < self.pieces else f"<{int(token)}>"
+
+
+def check_tokenizer(tokenizer: TextTokenizer, cfg: LMConfig, path: str | Path) -> None:
+    """The LM writes text ids up to `text_card`; a tokenizer with fewer pieces would fail mid-session."""
+    if tokenizer.vocab_size < cfg.text_card:
+        raise ConfigError(
+            f"the tokenizer {path} has {tokenizer.vocab_size} pieces but the LM writes {cfg.text_card} text "
+            "tokens; pass the tokenizer the LM was trained with"
+        )
+
+
 def _model_id(settings: ServerSettings, files: ModelFiles) -> str:
     if settings.demo:
         return "duplexd-demo"
+    if settings.random_weights:
+        return f"{settings.random_weights}-random-weights"
     if settings.hf_repo:
         return settings.hf_repo
     return str(files.moshi).rstrip("/").rsplit("/", 1)[-1].removesuffix(".safetensors")
@@ -115,22 +165,37 @@ class Runtime:
 def load_runtime(settings: ServerSettings) -> Runtime:
     """Load the weights onto every device and build the engines (not started). Raises `CheckpointError` or
     `ConfigError` with a message naming the problem."""
-    files = resolve_files(settings)
     threads = torch.get_num_threads()
     if any(torch.device(d).type == "cpu" for d in settings.devices):
         # The engine's loop thread does all the torch work with `threads` intra-op threads; other threads that touch
         # torch keep one, or the OpenMP pools oversubscribe the cores and every step slows (engine.scheduler docs).
         torch.set_num_threads(1)
-    tokenizer_path = resolve_file(files.tokenizer, TOKENIZER_NAME)
-    tokenizer = TextTokenizer(tokenizer_path)
+    preset = settings.random_weights
+    if preset is not None:
+        files = ModelFiles(f"random:{preset}", f"random:{RANDOM_WEIGHTS_MIMI[preset]}", str(ensure_demo().tokenizer),
+                           None, RANDOM_WEIGHTS_MIMI[preset])
+        tokenizer_path: str | Path = files.tokenizer
+        tokenizer: TextTokenizer = RandomTextTokenizer(tokenizer_path, PRESETS[preset].text_card)
+        logger.warning("serving %s with RANDOM weights (no checkpoint): it speaks noise, and its text ids are read "
+                       "with the demo tokenizer (%d pieces; others show as <id>)", preset, tokenizer.pieces)
+    else:
+        files = resolve_files(settings)
+        tokenizer_path = resolve_file(files.tokenizer, TOKENIZER_NAME)
+        tokenizer = TextTokenizer(tokenizer_path)
     engines = []
     for index, device in enumerate(settings.devices):
         step = f"[{index + 1}/{len(settings.devices)}] {device}"
         started = time.perf_counter()
-        logger.info("%s: loading the LM from %s", step, files.moshi)
-        lm = load_lm(files.moshi, files.config, device=device, dtype=weight_dtype(settings, device))
-        logger.info("%s: loading Mimi from %s", step, files.mimi)
-        mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
+        dtype = weight_dtype(settings, device)
+        if preset is not None:
+            logger.info("%s: drawing random weights for the %s LM (%s) and Mimi", step, preset, dtype)
+            lm, mimi = random_models(preset, device, dtype, seed=index)
+        else:
+            logger.info("%s: loading the LM from %s", step, files.moshi)
+            lm = load_lm(files.moshi, files.config, device=device, dtype=dtype)
+            logger.info("%s: loading Mimi from %s", step, files.mimi)
+            mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
+        check_tokenizer(tokenizer, lm.cfg, tokenizer_path)
         config = EngineConfig(
             max_sessions=settings.max_sessions, kv_memory=settings.kv_memory,
             max_session_frames=settings.max_session_frames, max_pending_frames=settings.max_pending_frames,
@@ -141,5 +206,5 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         logger.info("%s: loaded in %.1f s", step, time.perf_counter() - started)
     first = engines[0]
     info = ModelInfo(_model_id(settings, files), str(files.moshi), str(files.mimi), str(tokenizer_path),
-                     settings.demo, first.sample_rate, first.frame_size, tuple(settings.devices))
+                     settings.demo, first.sample_rate, first.frame_size, tuple(settings.devices), preset)
     return Runtime(engines, info)

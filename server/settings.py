@@ -16,6 +16,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 FRAME_RATE = 12.5  # Mimi frames per second (80 ms each)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+# The LM presets `--random-weights` serves, each with the Mimi preset its codebooks match.
+RANDOM_WEIGHTS_MIMI = {"moshi-7b": "mimi", "demo": "demo"}
+_WEIGHT_FILES = ("moshi_weight", "mimi_weight", "tokenizer", "config", "hf_repo")
 
 
 def parse_bytes(value: str | int | None) -> int | None:
@@ -45,6 +48,7 @@ class ServerSettings(BaseSettings):
     config: str | None = None
     hf_repo: str | None = None
     mimi_preset: Literal["mimi", "demo"] = "mimi"
+    random_weights: str | None = None  # an LM preset served with random weights (no files, no download)
     devices: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["cpu"])
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = True
@@ -91,11 +95,27 @@ class ServerSettings(BaseSettings):
             raise ValueError("give at least one device")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("TLS needs both a certificate and a key file")
+        if self.random_weights is not None:
+            self._check_random_weights()
         return self
+
+    def _check_random_weights(self) -> None:
+        """A preset with random weights takes no files, and only the Mimi its LM's codebooks match."""
+        preset = self.random_weights
+        if preset not in RANDOM_WEIGHTS_MIMI:
+            raise ValueError(f"unknown preset {preset!r} for random weights; choose from {sorted(RANDOM_WEIGHTS_MIMI)}")
+        given = [name for name in _WEIGHT_FILES if getattr(self, name)]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"random weights need no files; leave out {flags}")
+        mimi = RANDOM_WEIGHTS_MIMI[preset]
+        if "mimi_preset" in self.model_fields_set and self.mimi_preset != mimi:
+            raise ValueError(f"the {preset} LM pairs with Mimi preset {mimi!r}, not {self.mimi_preset!r}")
 
     @property
     def demo(self) -> bool:
-        return not (self.hf_repo or self.moshi_weight or self.mimi_weight or self.tokenizer)
+        given = (self.hf_repo, self.moshi_weight, self.mimi_weight, self.tokenizer, self.random_weights)
+        return not any(given)
 
     @property
     def max_session_frames(self) -> int:

@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# One prepared run of duplexd's GPU checks on a lent machine (one NVIDIA GPU, no network), from the repo root:
+#   0. install: the wheels of .whl/ (bench/gpu_wheels.sh, run beforehand where there is network) into a scratch
+#      --target on PYTHONPATH, then duplexd itself with --no-build-isolation --no-deps;
+#   1. the Triton kernel table (bench/gpu_kernels.py);
+#   2. the capacity sweep (bench/gpu_capacity.py: moshi-7b, random bf16 weights, full 3000-frame windows, the grid
+#      1 8 32 48 64 72 80 then bisection up to what the KV pool admits);
+#   3. `duplexd serve --random-weights moshi-7b` with --max-sessions at the capacity found, and
+#      `duplexd loadtest --protocol realtime` with that many sessions for 60 s against it;
+#   4. summary.md with every table; the short summary is printed last.
+# Everything goes into one folder: $OUT if set, else bench/out/gpu-<date>. Each stage runs under its own timeout,
+# and all of them under SUITE_BUDGET seconds (default 460), so one stage hanging cannot eat the rest. The exit
+# status is that of the first stage that failed (0 when all passed).
+#
+# GPU_SUITE_DRY=1 runs the same stages on the CPU with the demo preset and tiny durations (a check of this script).
+# Other knobs: PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3), WHEELS (default .whl),
+# SITE (default /tmp/duplexd-site), DEVICE, LOAD_SECONDS, CAPACITY_ARGS (replaces the sweep's arguments).
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+STARTED=$(date +%s)
+BUDGET=${SUITE_BUDGET:-460}
+DRY=${GPU_SUITE_DRY:-0}
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  [ -x /opt/torch/.venv/bin/python3 ] && PYTHON=/opt/torch/.venv/bin/python3
+fi
+WHEELS=${WHEELS:-.whl}
+SITE=${SITE:-/tmp/duplexd-site}
+DIR=${OUT:-bench/out/gpu-$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
+STAGES="$DIR/stages.tsv"
+: > "$STAGES"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DUPLEXD_CACHE=${DUPLEXD_CACHE:-/tmp/duplexd-cache}
+
+if [ "$DRY" = 1 ]; then
+  PRESET=demo DEVICE=${DEVICE:-cpu} LOAD_SECONDS=${LOAD_SECONDS:-5}
+  DEFAULT_CAPACITY="--preset demo --device $DEVICE --batches 1 2 4 --steps 20 --max-sessions 4 --granularity 1 --budget-ms 1000"
+  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_READY=60
+else
+  PRESET=moshi-7b DEVICE=${DEVICE:-cuda:0} LOAD_SECONDS=${LOAD_SECONDS:-60}
+  DEFAULT_CAPACITY="--preset moshi-7b --device $DEVICE --batches 1 8 32 48 64 72 80 --steps 200 --granularity 4"
+  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_READY=120
+fi
+CAPACITY_ARGS=${CAPACITY_ARGS:-$DEFAULT_CAPACITY}
+FIRST_FAILURE=0
+
+say() { echo "[gpu_suite $(($(date +%s) - STARTED))s] $*"; }
+
+# Seconds a stage may take: its own limit, within what is left of the budget after `reserve` seconds for later.
+allow() {
+  local limit=$1 reserve=$2 left
+  left=$((BUDGET - ($(date +%s) - STARTED) - reserve))
+  [ "$left" -lt "$limit" ] && limit=$left
+  [ "$limit" -lt 5 ] && limit=5
+  echo "$limit"
+}
+
+# stage NAME LIMIT_S CMD...: run CMD under `timeout` with its output in NAME.log; record rc and seconds.
+stage() {
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  say "$name: start (limit ${limit}s)"
+  timeout -k 10 "$limit" "$@" > "$DIR/$name.log" 2>&1
+  rc=$?
+  record "$name" "$rc" "$(($(date +%s) - t0))"
+  return "$rc"
+}
+
+record() {
+  local what="ok"
+  [ "$2" -eq 124 ] || [ "$2" -eq 137 ] && what="timed out"
+  [ "$2" -ne 0 ] && [ "$what" = ok ] && what="failed"
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$what" >> "$STAGES"
+  say "$1: $what (rc $2, $3 s)"
+  [ "$2" -ne 0 ] && [ "$FIRST_FAILURE" -eq 0 ] && FIRST_FAILURE=$2
+  return 0
+}
+
+# Wheels into the scratch dir, duplexd itself (editable: its packages map onto the repo's folders), an import check.
+install() {
+  local limit=$1
+  if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    timeout "$limit" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl \
+      || return 1
+  else
+    echo "no wheels in $WHEELS: relying on the image for duplexd's dependencies"
+  fi
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  timeout "$limit" "$PYTHON" -m pip install -q --no-index --no-build-isolation --no-deps -e . || return 1
+  (cd / && timeout "$limit" "$PYTHON" -c "import duplexd.server.app, duplexd.cli; print('duplexd imports')") \
+    || return 1
+  timeout "$limit" "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+    torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+  "$PYTHON" -m pip list 2>/dev/null | grep -iE "^(torch|triton|numpy|fastapi|uvicorn|websockets|pydantic) " || true
+}
+
+# The capacity the sweep found, then in words what that number is: when the sweep failed or did not finish, the
+# largest batch that met the budget (not a capacity); nothing when there is nothing to serve at.
+capacity() {
+  "$PYTHON" - "$DIR/gpu_capacity.json" <<'EOF'
+import json, sys
+try:
+    report = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    sys.exit(0)
+status = report.get("status")
+if status == "ok" and report.get("realtime_sessions"):
+    print(report["realtime_sessions"], "the capacity found")
+elif status != "ok":
+    ok = [b["batch"] for b in report.get("batches", []) if b.get("meets_budget")]
+    if ok:
+        why = "a later batch FAILED" if status == "failed" else "the sweep did not finish"
+        print(max(ok), f"the largest batch within budget, NOT a capacity: {why}")
+EOF
+}
+
+serve_and_load() {
+  local n=$1 port server rc ready
+  port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  # shellcheck disable=SC2086
+  ready=$(allow "$T_READY" $((LOAD_SECONDS + 30)))
+  timeout -k 10 "$((ready + LOAD_SECONDS + 90))" "$PYTHON" -m duplexd serve --random-weights "$PRESET" \
+    --device "$DEVICE" --max-sessions "$n" --port "$port" --static none --idle-timeout 30 \
+    > "$DIR/serve.log" 2>&1 &
+  server=$!
+  say "serve: pid $server on port $port, $n sessions; waiting for /ready"
+  if ! "$PYTHON" - "$port" "$ready" "$server" <<'EOF'
+import json, os, sys, time, urllib.request
+port, limit, pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+deadline = time.monotonic() + limit
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("the server exited before it was ready (serve.log)")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
+            print(json.dumps(json.load(r)))
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as m:
+                print(json.dumps(json.load(m)))
+            sys.exit(0)
+    except OSError:
+        time.sleep(0.5)
+sys.exit(f"not ready within {limit:g} s (serve.log)")
+EOF
+  then
+    kill -TERM "$server" 2>/dev/null; wait "$server" 2>/dev/null
+    return 1
+  fi
+  say "serve: ready; loadtest: $n sessions, realtime, ${LOAD_SECONDS}s"
+  stage loadtest "$(allow $((LOAD_SECONDS + 60)) 5)" "$PYTHON" -m duplexd loadtest \
+    --url "ws://127.0.0.1:$port" --protocol realtime --sessions "$n" --duration "$LOAD_SECONDS" --quiet \
+    --json "$DIR/loadtest.json" --plot "$DIR/loadtest.png" \
+    --max-late-frac 0.01 --max-ttfa-ms 300 --max-refused 0 --max-errors 0
+  rc=$?
+  "$PYTHON" -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(
+    'http://127.0.0.1:$port/metrics', timeout=5).read().decode())" > "$DIR/metrics.txt" 2>&1
+  kill -TERM "$server" 2>/dev/null
+  wait "$server" 2>/dev/null
+  return $rc
+}
+
+say "out: $DIR; python: $PYTHON; dry run: $DRY; budget ${BUDGET}s"
+{ echo "commit: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)"; date -u; uname -a
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+} > "$DIR/machine.txt"
+
+t0=$(date +%s)
+say "install: start"
+install "$(allow "$T_INSTALL" 380)" > "$DIR/install.log" 2>&1
+record install $? "$(($(date +%s) - t0))"
+
+stage gpu_kernels "$(allow "$T_KERNELS" 300)" "$PYTHON" bench/gpu_kernels.py
+tail -n 60 "$DIR/gpu_kernels.log" | grep -v '^{' | tail -n 45
+
+# shellcheck disable=SC2086
+stage gpu_capacity "$(allow "$T_CAPACITY" $((LOAD_SECONDS + 90)))" \
+  "$PYTHON" bench/gpu_capacity.py $CAPACITY_ARGS --out "$DIR"
+grep -E '^(batch |capacity|FAILED|note|models)' "$DIR/gpu_capacity.log" | tail -n 25
+
+read -r SESSIONS BASIS <<< "$(capacity)"
+if [ -n "${SESSIONS:-}" ]; then
+  echo "serving at $SESSIONS sessions ($BASIS)" > "$DIR/serve_basis.txt"
+  t0=$(date +%s)
+  serve_and_load "$SESSIONS"
+  rc=$?
+  record serve "$rc" "$(($(date +%s) - t0))"
+else
+  echo "no capacity to serve at (see gpu_capacity.log)" > "$DIR/serve_basis.txt"
+  record serve 3 0
+fi
+
+"$PYTHON" bench/gpu_summary.py "$DIR" > "$DIR/summary.log" 2>&1 || record summary $? 0
+say "done in $(($(date +%s) - STARTED)) s; everything is in $DIR"
+cat "$DIR/summary.log"
+exit "$FIRST_FAILURE"

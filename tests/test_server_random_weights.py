@@ -1,0 +1,86 @@
+"""`duplexd serve --random-weights PRESET`: a preset with random weights and no files, saying so everywhere; and
+the tokenizer check that keeps a too-small tokenizer from failing mid-session."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx2
+import pytest
+
+from duplexd.engine.config import DEMO, ConfigError
+from duplexd.engine.demo import ensure_demo
+from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.server.cli import settings_from_args
+from duplexd.server.runtime import RandomTextTokenizer, check_tokenizer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_random_weights_answers_and_says_so(tmp_path):
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "DUPLEXD_RANDOM_WEIGHTS": "demo"}  # the environment form of --random-weights
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "duplexd", "serve", "--port", str(port), "--max-sessions", "2"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx2.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx2.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        model = httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]
+        assert model["random_weights"] is True and model["demo"] is False
+        assert model["id"] == "demo-random-weights" and model["max_sessions"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    text = log.read_text()
+    assert "RANDOM weights" in text and "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"random_weights": "nope"}, "unknown preset 'nope'"),
+    ({"random_weights": "demo", "tokenizer": "tok.model"}, "leave out --tokenizer"),
+    ({"random_weights": "moshi-7b", "hf_repo": "a/b"}, "leave out --hf-repo"),
+    ({"random_weights": "moshi-7b", "mimi_preset": "demo"}, "pairs with Mimi preset 'mimi'"),
+])
+def test_random_weights_settings_are_checked(given, message):
+    with pytest.raises(ConfigError, match=message):
+        settings_from_args(argparse.Namespace(**given))
+
+
+def test_random_weights_settings():
+    settings = settings_from_args(argparse.Namespace(random_weights="moshi-7b", mimi_preset="mimi"))
+    assert settings.random_weights == "moshi-7b" and not settings.demo
+
+
+def test_tokenizer_must_cover_the_lm_text_vocabulary():
+    demo = ensure_demo()
+    tokenizer = TextTokenizer(demo.tokenizer)
+    check_tokenizer(tokenizer, dataclasses.replace(DEMO, text_card=tokenizer.vocab_size), demo.tokenizer)
+    with pytest.raises(ConfigError, match=f"has {tokenizer.vocab_size} pieces but the LM writes 32000"):
+        check_tokenizer(tokenizer, dataclasses.replace(DEMO, text_card=32000), demo.tokenizer)
+    stretched = RandomTextTokenizer(demo.tokenizer, 32000)
+    check_tokenizer(stretched, dataclasses.replace(DEMO, text_card=32000), demo.tokenizer)
+    assert stretched.piece(31999) == "<31999>" and stretched.piece(5) == tokenizer.piece(5)
