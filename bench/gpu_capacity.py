@@ -43,10 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from duplexd.engine.config import PRESETS, SamplingParams  # noqa: E402
+from duplexd.engine.config import PRESETS, ConfigError, SamplingParams  # noqa: E402
 from duplexd.engine.errors import CapacityError, SessionClosed  # noqa: E402
 from duplexd.engine.kv_cache import window_pages  # noqa: E402
 from duplexd.engine.models.lm import LMModel  # noqa: E402
+from duplexd.engine.models.mimi import MimiModel  # noqa: E402
 from duplexd.engine.scheduler import Engine, EngineConfig, EngineStats, StepRecord, pool_pages  # noqa: E402
 
 FRAME_MS = 80.0
@@ -258,10 +259,24 @@ def measure(engine: Engine, batch: int, steps: int, position: int, timeout: floa
     return result
 
 
-def pool_sessions(lm: LMModel, config: EngineConfig) -> int:
-    """Full-length sessions the KV pool of an `Engine` with `config` holds, by the engine's own sizing rule."""
+def pool_sessions(lm: LMModel, mimi: MimiModel, config: EngineConfig) -> int:
+    """The most slots (<= config.max_sessions) whose full-length sessions all fit the KV pool an `Engine` with
+    that many slots makes, by the engine's own sizing rule (each slot also costs Mimi streams, so fewer slots
+    leave more pages: a bisection)."""
     per_session = window_pages(lm.cfg.context, config.page_size, config.max_session_frames)
-    return pool_pages(lm, config, per_session) // per_session
+
+    def fits(slots: int) -> bool:
+        try:
+            return pool_pages(lm, mimi, dataclasses.replace(config, max_sessions=slots), per_session) >= (
+                slots * per_session)
+        except ConfigError:
+            return False
+
+    low, high = 0, config.max_sessions
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def buckets_for(grid: Sequence[int], limit: int, granularity: int) -> tuple[int, ...]:
@@ -389,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     base = EngineConfig(max_sessions=args.max_sessions or (256 if cuda else max(grid)), kv_memory=args.kv_memory,
                         max_session_frames=args.session_frames, max_pending_frames=frames,
                         max_output_frames=frames, device=args.device)
-    fit = min(pool_sessions(lm, base), base.max_sessions)
+    fit = pool_sessions(lm, mimi, base)
     buckets = buckets_for(grid, fit, args.granularity) if cuda else None
     engine = Engine(lm, mimi, config=dataclasses.replace(base, max_sessions=fit, buckets=buckets))
     engine.start()

@@ -181,3 +181,25 @@ def test_the_kv_pool_bounds_the_sweep(tmp_path):
     assert report["kv_sessions"] == 2 and report["realtime_sessions"] == 2
     statuses = {b["batch"]: b["status"] for b in report["batches"]}
     assert statuses == {1: cap.OK, 2: cap.OK, 4: cap.NO_FIT}  # the grid's 4 does not fit; bisection finds 2
+
+
+def test_pool_sessions_counts_mimi_streams_per_slot(monkeypatch):
+    """Each slot costs Mimi streams beside its KV pages, so the bench asks the engine's sizing rule for the most
+    slots whose sessions all fit (CUDA memory stubbed, checked on the CPU)."""
+    from duplexd.engine.kv_cache import PagedKVCache, window_pages
+    from duplexd.engine.models.mimi import MimiStreams
+    from duplexd.engine.scheduler import CUDA_HEADROOM
+
+    lm, mimi = random_models("demo", "cpu", torch.float32)
+    cfg, page_size = lm.cfg, 64
+    per = window_pages(cfg.context, page_size)
+    session = per * PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, page_size, torch.float32)
+    streams = MimiStreams.state_bytes(mimi, 1) - MimiStreams.state_bytes(mimi, 0)  # one slot's share
+    for n in (1, 5, 12):  # memory for exactly n sessions and their streams
+        free = CUDA_HEADROOM + MimiStreams.state_bytes(mimi, n) + n * session + session // 2
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
+        config = EngineConfig(max_sessions=256, page_size=page_size, device="cuda")
+        assert cap.pool_sessions(lm, mimi, config) == n
+        assert cap.pool_sessions(lm, mimi, EngineConfig(max_sessions=n - 1 or 1, page_size=page_size,
+                                                        device="cuda")) == max(n - 1, 1)
+    assert streams > 0
