@@ -2,20 +2,13 @@
 
 The report's fields are checked for consistency: frames sent = frames expected, received = sent - 1 (the first
 input frame only fills Moshi's acoustic delay), deficit = sent - received, refusals in the denominator.
-`running_server` is shared with the browser test.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
@@ -25,54 +18,17 @@ import soundfile as sf
 from duplexd.cli import main
 from duplexd.clients.audio import SAMPLE_RATE, speech_like, write_wav
 
+from .live_server import running_server
+
 SLOTS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class LiveServer:
-    url: str  # http://127.0.0.1:PORT
-    proc: subprocess.Popen
-
-
-@contextlib.contextmanager
-def running_server(cache: Path, log: Path, *args: str) -> Iterator[LiveServer]:
-    """A `duplexd serve` subprocess on a free port, ready (warm) when this yields."""
-    port = free_port()
-    env = {**os.environ, "DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "duplexd", "serve", "--port", str(port), *args],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited: {log.read_text()[-2000:]}"
-            with contextlib.suppress(httpx2.HTTPError):
-                if httpx2.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"server not ready: {log.read_text()[-2000:]}"
-            time.sleep(0.2)
-        yield LiveServer(url, proc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
     cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
     log = tmp_path_factory.mktemp("clients-server") / "serve.log"
-    with running_server(cache, log, "--max-sessions", str(SLOTS)) as live:
+    env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    with running_server(log, "--max-sessions", str(SLOTS), env=env) as live:
         yield live.url
 
 

@@ -10,10 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +23,8 @@ import pytest
 import sphn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
+
+from .live_server import running_server
 
 RATE, FRAME = 24000, 1920
 KEY = "test-key"
@@ -69,41 +68,13 @@ class Server:
                       what="all slots free")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {**os.environ, "DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache")}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "duplexd", "serve", "--port", str(port), *SERVER_ARGS],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    srv = Server(port, proc, log)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited ({proc.returncode}):\n{log.read_text()}")
-            try:
-                if srv.get("/ready").status_code == 200:
-                    break
-            except httpx2.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not ready:\n{log.read_text()}")
-            time.sleep(0.1)
-        yield srv
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    env = {"DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache")}
+    with running_server(log, *SERVER_ARGS, env=env) as live:
+        yield Server(live.port, live.proc, log)
+    proc = live.proc
     assert proc.returncode == 130, log.read_text()[-3000:]  # SIGINT: a clean shutdown, then the usual 130
     assert "Finished server process" in log.read_text()
     assert "Traceback" not in log.read_text(), log.read_text()[-5000:]

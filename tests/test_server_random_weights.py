@@ -5,12 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx2
 import pytest
@@ -21,40 +15,16 @@ from duplexd.engine.tokenizer import TextTokenizer
 from duplexd.server.cli import settings_from_args
 from duplexd.server.runtime import RandomTextTokenizer, check_tokenizer
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .live_server import running_server
 
 
 def test_serve_random_weights_answers_and_says_so(tmp_path):
-    port = _free_port()
     log = tmp_path / "serve.log"
-    env = {**os.environ, "DUPLEXD_RANDOM_WEIGHTS": "demo"}  # the environment form of --random-weights
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "duplexd", "serve", "--port", str(port), "--max-sessions", "2"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx2.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx2.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        model = httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]
+    # the environment form of --random-weights
+    with running_server(log, "--max-sessions", "2", env={"DUPLEXD_RANDOM_WEIGHTS": "demo"}) as live:
+        model = httpx2.get(f"{live.url}/v1/models", timeout=5).json()["data"][0]
         assert model["random_weights"] is True and model["demo"] is False
         assert model["id"] == "demo-random-weights" and model["max_sessions"] == 2
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     text = log.read_text()
     assert "RANDOM weights" in text and "Traceback" not in text, text[-3000:]
 

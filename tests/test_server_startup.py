@@ -10,11 +10,7 @@ import sys
 
 from duplexd.engine.demo import ensure_demo
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .live_server import free_port
 
 
 def test_bad_weights_exit_before_binding_the_port(tmp_path):
@@ -29,7 +25,7 @@ def test_bad_weights_exit_before_binding_the_port(tmp_path):
                          "not a readable safetensors file"),
         "bad setting": (["--max-sessions", "0"], "max_sessions"),
     }
-    port = _free_port()
+    port = free_port()
     procs = {  # all at once: each pays for importing torch
         name: subprocess.Popen([sys.executable, "-m", "duplexd", "serve", "--port", str(port), *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))

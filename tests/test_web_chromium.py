@@ -16,7 +16,7 @@ import pytest
 from duplexd.clients.audio import speech_like, write_wav
 from duplexd.clients.connection import ConnectOptions, open_connection
 
-from .test_clients_live import running_server
+from .live_server import running_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -28,7 +28,7 @@ OUT = Path(__file__).resolve().parents[1] / "out"
 def server(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
     log = tmp_path_factory.mktemp("web-server") / "serve.log"
-    with running_server(cache, log, "--max-sessions", "1") as live:
+    with running_server(log, "--max-sessions", "1", env={"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}) as live:
         yield live
 
 
