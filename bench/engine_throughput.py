@@ -8,7 +8,7 @@ the `moshi` package's Mimi and LMGen at batch 1, the N sessions one after anothe
 conversation at a time). Prints a table and, as its last line, one JSON object.
 
 The main thread stays at one intra-op thread and the reference runs on a short-lived thread with `--threads`
-(see `engine.scheduler` on OpenMP pools per thread), so each side gets the machine's cores as it would alone.
+(see `engine.engine` on OpenMP pools per thread), so each side gets the machine's cores as it would alone.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 from bench.common import through_checkpoint  # noqa: E402
 from duplexd.engine.checkpoint import load_lm, load_mimi  # noqa: E402
 from duplexd.engine.config import DEMO_MIMI, LMConfig, SamplingParams  # noqa: E402
-from duplexd.engine.scheduler import Engine, EngineConfig  # noqa: E402
+from duplexd.engine.engine import Engine, EngineConfig  # noqa: E402
 from tests.ref_models import reference_lm, reference_mimi  # noqa: E402
 
 CONFIG = LMConfig(dim=512, num_heads=8, num_layers=6, depformer_dim=256,

@@ -44,11 +44,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from duplexd.engine.config import PRESETS, ConfigError, SamplingParams  # noqa: E402
+from duplexd.engine.engine import Engine, EngineConfig, EngineStats, StepRecord, pool_pages  # noqa: E402
 from duplexd.engine.errors import CapacityError, SessionClosed  # noqa: E402
 from duplexd.engine.kv_cache import window_pages  # noqa: E402
 from duplexd.engine.models.lm import LMModel  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel  # noqa: E402
-from duplexd.engine.scheduler import Engine, EngineConfig, EngineStats, StepRecord, pool_pages  # noqa: E402
 
 FRAME_MS = 80.0
 WARM_STEPS = 3  # full-batch steps after the seek that are not timed (first reads of the whole window)
@@ -198,7 +198,7 @@ def _drive(engine: Engine, sessions: list, steps: int, position: int, timeout: f
         time.sleep(0.002)
     if ended := [s for s in sessions if s.closed]:
         return f"{len(ended)} sessions ended on their first frame ({ended[0].close_reason})"
-    with engine._lock:  # no frame is queued, so the loop is idle: jump every slot to a long-conversation position
+    with engine.scheduler.lock:  # nothing queued, so the loop is idle: jump every slot to a long-conversation position
         for s in sessions:
             engine.pipeline.seek(s.slot, position)
     frames = steps + WARM_STEPS + EXTRA_FRAMES

@@ -72,6 +72,10 @@ class Pipeline:
         self.mimi.reset(slot)
         self._positions[slot] = 0
 
+    def set_sampling(self, slot: int, params: SamplingParams) -> None:
+        """Sampling of `slot` from its next step on; its conversation goes on where it is."""
+        self.lm_gen.set_sampling(slot, params)
+
     def seek(self, slot: int, position: int) -> None:
         """Move `slot` to frame `position` as if it had generated zeros so far (benchmarks of long conversations:
         attention then reads a whole window). The slot's Mimi state is untouched."""

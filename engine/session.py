@@ -1,27 +1,29 @@
 """One conversation as the engine sees it: a bounded inbox of 80 ms frames and a bounded outbox of answers.
 
-Any thread pushes audio; the engine thread takes one frame per step and hands back one output per frame. Outputs
-are received from asyncio (`await recv()`, bound to the loop that first waits) or from a thread (`get()`). All
-state is guarded by the engine's lock, so a session can be closed from anywhere at any time: the engine frees
-its slot and KV pages between two steps and never delivers to it again.
+Any thread pushes audio; the engine's loop takes one frame per step and hands back one output per frame. Outputs
+are received from asyncio (`await recv()`, bound to the loop that first waits) or from a thread (`get()`). A
+session knows its engine only through `SessionHost` (a lock to share, its limits, and three notifications), and
+the engine drives it only through the methods under "engine side"; neither touches the other's state.
+
+Each frame's arrival time is taken when it is pushed and comes back on the output it produced, so the delay from
+input to answer is measured where both ends are known. Frames dropped at either bound are reported to the host as
+they happen.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from .config import SamplingParams
 from .errors import SessionClosed
-
-if TYPE_CHECKING:
-    from .scheduler import Engine
 
 
 @dataclass(frozen=True)
@@ -31,17 +33,39 @@ class SessionOutput:
     text_token: int
     text: str  # "" for padding tokens, else the token's text with "▁" as a space (what the reference sends)
     audio_tokens: tuple[int, ...] = ()  # the model's audio codes for this frame (dep_q of them)
+    arrival: float = 0.0  # time.monotonic() when the input frame of the step that produced this was pushed
+
+
+class SessionHost(Protocol):
+    """What a session needs from the engine that holds it."""
+
+    lock: threading.Lock  # guards every session's state and the host's
+    frame_size: int
+    max_pending_frames: int
+    max_output_frames: int
+
+    def frames_ready(self) -> None:
+        """Frames were queued (lock held)."""
+
+    def params_changed(self, session: Session) -> None:
+        """`session.params` changed; apply them from its next step (lock held)."""
+
+    def session_ended(self, session: Session) -> None:
+        """`session` ended; give its slot back once no step holds it (lock held)."""
+
+    def frames_dropped(self, direction: str, count: int) -> None:
+        """`count` frames were dropped: "in" at the inbox bound, "out" at the outbox bound (any thread)."""
 
 
 class Session:
-    def __init__(self, engine: Engine, slot: int, params: SamplingParams, max_frames: int | None) -> None:
+    def __init__(self, host: SessionHost, slot: int, params: SamplingParams, max_frames: int | None) -> None:
         self.id = uuid.uuid4().hex[:12]
         self.slot, self.params, self.max_frames = slot, params, max_frames
-        self._engine = engine
-        self._lock = engine._lock
+        self._host = host
+        self._lock = host.lock
         self._ready = threading.Condition(self._lock)
         self._partial = np.zeros(0, dtype=np.float32)
-        self._inbox: deque[np.ndarray] = deque()
+        self._inbox: deque[tuple[np.ndarray, float]] = deque()
         self._outbox: deque[SessionOutput] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
@@ -66,7 +90,9 @@ class Session:
         """Queue mono float audio at the engine's rate (any length); returns how many whole frames were dropped
         because the inbox already held `max_pending_frames`. Non-finite samples become 0."""
         samples = np.nan_to_num(np.asarray(pcm, dtype=np.float32).reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
-        size, limit = self._engine.frame_size, self._engine.config.max_pending_frames
+        host = self._host
+        size, limit = host.frame_size, host.max_pending_frames
+        now = time.monotonic()
         with self._lock:
             if self.closed:
                 raise SessionClosed(f"session {self.id} has ended ({self.close_reason})")
@@ -78,11 +104,13 @@ class Session:
                 if len(self._inbox) >= limit:
                     dropped += 1
                     continue
-                self._inbox.append(data[i * size : (i + 1) * size])
+                self._inbox.append((data[i * size : (i + 1) * size], now))
             self.frames_in += whole - dropped
             self.frames_dropped_in += dropped
             if whole > dropped:
-                self._engine._work.notify()
+                host.frames_ready()
+        if dropped:
+            host.frames_dropped("in", dropped)
         return dropped
 
     def update_params(self, params: SamplingParams) -> None:
@@ -91,15 +119,14 @@ class Session:
             if self.closed:
                 raise SessionClosed(f"session {self.id} has ended ({self.close_reason})")
             self.params = params
-            self._engine._retuned.append(self)
-            self._engine._work.notify()
+            self._host.params_changed(self)
 
     def close(self, reason: str = "client") -> None:
         """End the session now: pending input and undelivered output are discarded. Idempotent."""
         with self._lock:
             self._outbox.clear()
             if not self.closed:
-                self._end(reason)
+                self.end(reason)
 
     async def recv(self) -> SessionOutput | None:
         """The next output frame, or None once the session has ended and its outputs are all received."""
@@ -112,6 +139,7 @@ class Session:
                 if self.closed:
                     return None
                 event = self._event
+                assert event is not None  # bound above
                 event.clear()
             await event.wait()
 
@@ -128,31 +156,42 @@ class Session:
             return len(self._inbox)
 
     # ------------------------------------------------------------------------------------------- engine side
-    # Called with the engine's lock held.
+    # Called with the host's lock held.
 
-    def _end(self, reason: str) -> None:
-        self.closed, self.close_reason = True, reason
-        self._inbox.clear()
-        self._engine._ended.append(self)
-        self._engine._work.notify()
-        self._wake()
+    def has_frame(self) -> bool:
+        return bool(self._inbox) and not self.closed
 
-    def _take_frame(self) -> np.ndarray | None:
+    def take_frame(self) -> tuple[np.ndarray, float] | None:
+        """The oldest queued frame and its arrival time, or None."""
         return self._inbox.popleft() if self._inbox and not self.closed else None
 
-    def _deliver(self, out: SessionOutput) -> None:
-        if self.closed:
-            return
-        if len(self._outbox) >= self._engine.config.max_output_frames:
-            self._outbox.popleft()
-            self.frames_dropped_out += 1
-        self._outbox.append(out)
-        self.frames_out += 1
+    def stepped(self, output: SessionOutput | None) -> int:
+        """One of this session's frames was stepped; `output` is its answer (None while the model warms up).
+        Ends the session at `max_frames`. Returns how many outputs the outbox bound dropped (0 or 1)."""
+        self.steps += 1
+        dropped = 0
+        if output is not None and not self.closed:
+            if len(self._outbox) >= self._host.max_output_frames:
+                self._outbox.popleft()
+                self.frames_dropped_out += 1
+                dropped = 1
+            self._outbox.append(output)
+            self.frames_out += 1
+            self._wake()
+        if self.max_frames is not None and self.steps >= self.max_frames and not self.closed:
+            self.end("max_frames")
+        return dropped
+
+    def end(self, reason: str) -> None:
+        """Close the session for `reason`; the host gets its slot back."""
+        self.closed, self.close_reason = True, reason
+        self._inbox.clear()
+        self._host.session_ended(self)
         self._wake()
 
     def _wake(self) -> None:
         self._ready.notify_all()
-        if self._loop is not None:
+        if self._loop is not None and self._event is not None:
             try:
                 self._loop.call_soon_threadsafe(self._event.set)
             except RuntimeError:  # the loop has closed: nobody is waiting any more

@@ -47,7 +47,7 @@ async def serve(ctx: ServerContext, adapter: Adapter, subprotocol: str | None,
         return
     metrics.sessions.labels(adapter.name).inc()
     logger.info("%s session %s admitted (slot %d, seed %d)", adapter.name, session.id, session.slot, params.seed)
-    pump = Pump(adapter, session, ctx.limits, metrics, ctx.runtime.info.frame_size)
+    pump = Pump(adapter, session, ctx.limits, metrics)
     try:
         await admitted(pump)
     except BaseException as e:  # the client went away during the greeting, or the server is stopping

@@ -15,7 +15,7 @@ import logging
 import numpy as np
 from fastapi import APIRouter, WebSocket
 
-from duplexd.engine.scheduler import SessionOutput
+from duplexd.engine.session import SessionOutput
 
 from . import protocol
 from .admission import serve

@@ -1,7 +1,8 @@
 """Prometheus metrics: one registry per app (so several apps in one process never collide).
 
 Engine counters and gauges are read from `Engine.stats()` at scrape time; step duration and batch size come from
-the engine's step callback (prometheus-client is thread-safe); per-session counters are fed by the connections.
+the engine's step callback and dropped frames from its drop callback (prometheus-client is thread-safe);
+per-session counters are fed by the connections.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from duplexd.engine.scheduler import StepRecord
+from duplexd.engine.engine import StepRecord
 
 from .runtime import Runtime
 
@@ -75,8 +76,13 @@ class Metrics:
         self.step_seconds.observe(record.seconds)
         self.batch_size.observe(record.batch_size)
 
+    def on_dropped(self, direction: str, count: int) -> None:
+        """Engine callback when frames are dropped at a session's inbox ("in") or outbox ("out") bound."""
+        self.dropped.labels(direction).inc(count)
+
     def subscribe(self, runtime: Runtime) -> Callable[[], None]:
         stops = [engine.on_step(self.on_step) for engine in runtime.engines]
+        stops += [engine.on_dropped(self.on_dropped) for engine in runtime.engines]
         return lambda: [stop() for stop in stops if callable(stop)]
 
     def render(self) -> bytes:

@@ -25,10 +25,9 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
 from duplexd.engine.errors import SessionClosed
-from duplexd.engine.scheduler import Session, SessionOutput
+from duplexd.engine.session import Session, SessionOutput
 
 from .closing import Close, CloseCode, Disconnected, close_for_session_end
-from .latency import FrameClock
 from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -96,11 +95,9 @@ def message_size(message: dict) -> int:
 class Pump:
     """Runs one admitted session until it ends, then always closes it (slot and pages back)."""
 
-    def __init__(self, adapter: Adapter, session: Session, limits: Limits, metrics: Metrics, frame_size: int) -> None:
+    def __init__(self, adapter: Adapter, session: Session, limits: Limits, metrics: Metrics) -> None:
         self.adapter, self.session, self.limits, self.metrics = adapter, session, limits, metrics
-        self.clock = FrameClock(frame_size)
         self.started = time.monotonic()
-        self._dropped_out = 0
 
     # ------------------------------------------------------------------------------------------- the tasks
 
@@ -121,13 +118,9 @@ class Pump:
                 self.push(pcm)
 
     def push(self, pcm: np.ndarray) -> None:
-        try:
-            dropped = self.session.push(pcm)
-        except SessionClosed:
-            return  # the writer sees the end and reports it
-        self.clock.pushed(len(pcm), dropped, time.monotonic())
-        if dropped:
-            self.metrics.dropped.labels("in").inc(dropped)
+        """Queue audio (frames over the inbox bound are dropped and counted by the engine's drop events)."""
+        with contextlib.suppress(SessionClosed):  # the writer sees the end and reports it
+            self.session.push(pcm)
 
     async def _write(self) -> None:
         limits = self.limits
@@ -136,15 +129,10 @@ class Pump:
             out = await session.recv()
             if out is None:
                 raise close_for_session_end(session.close_reason)
-            now = time.monotonic()
-            delay = self.clock.delay(out.frame, now)
-            if delay is not None:
-                self.metrics.latency.observe(delay)
-                if delay > limits.late_frame_seconds:
-                    self.metrics.late.inc()
-            if session.frames_dropped_out > self._dropped_out:
-                self.metrics.dropped.labels("out").inc(session.frames_dropped_out - self._dropped_out)
-                self._dropped_out = session.frames_dropped_out
+            delay = time.monotonic() - out.arrival  # since the input frame whose step made this output was pushed
+            self.metrics.latency.observe(delay)
+            if delay > limits.late_frame_seconds:
+                self.metrics.late.inc()
             try:
                 await asyncio.wait_for(self.adapter.send_output(out), limits.send_timeout)
             except asyncio.TimeoutError:

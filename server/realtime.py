@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 
 from duplexd.engine.config import SamplingParams
-from duplexd.engine.scheduler import SessionOutput
+from duplexd.engine.session import SessionOutput
 
 from . import realtime_events as ev
 from .access import offered_subprotocols

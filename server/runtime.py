@@ -20,11 +20,11 @@ import torch
 from duplexd.engine.checkpoint import build_lm, load_lm, load_mimi
 from duplexd.engine.config import MIMI_PRESETS, PRESETS, ConfigError, LMConfig, SamplingParams
 from duplexd.engine.demo import ensure_demo
+from duplexd.engine.engine import Engine, EngineConfig, EngineStats, Session
 from duplexd.engine.errors import CapacityError
 from duplexd.engine.hub import resolve_file
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
-from duplexd.engine.scheduler import Engine, EngineConfig, EngineStats, Session
 from duplexd.engine.tokenizer import TextTokenizer
 from duplexd.infer import DTYPES, TOKENIZER_NAME, ModelFiles, model_files
 
@@ -168,7 +168,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
     threads = torch.get_num_threads()
     if any(torch.device(d).type == "cpu" for d in settings.devices):
         # The engine's loop thread does all the torch work with `threads` intra-op threads; other threads that touch
-        # torch keep one, or the OpenMP pools oversubscribe the cores and every step slows (engine.scheduler docs).
+        # torch keep one, or the OpenMP pools oversubscribe the cores and every step slows (engine.engine docs).
         torch.set_num_threads(1)
     preset = settings.random_weights
     if preset is not None:

@@ -12,9 +12,9 @@ import pytest
 
 from duplexd.engine.config import DEMO_MIMI, ConfigError, LMConfig, SamplingParams
 from duplexd.engine.demo import random_lm
+from duplexd.engine.engine import Engine, EngineConfig
 from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.models.mimi import MimiModel
-from duplexd.engine.scheduler import Engine, EngineConfig
 
 # Small but complete: several layers and heads, all 16 streams, short context so windows wrap within a test.
 CFG = LMConfig(dim=64, text_card=97, num_heads=4, num_layers=3, depformer_dim=32, depformer_dim_feedforward=132,
@@ -238,7 +238,7 @@ def test_open_push_close_500_times_leaves_nothing_behind(models):
         steady.close()
         _wait(lambda: engine.stats().kv_pages_used == 0 and engine.stats().active_sessions == 0)
         stats = engine.stats()
-        assert stats.admissible_sessions == 6 and len(engine._free_slots) == 6 and not engine._sessions
+        assert stats.admissible_sessions == 6 and engine.scheduler.free_slots() == list(range(6))
         assert engine.kv.pages_free == engine.kv.num_pages
         assert (engine.kv.host_tables == engine.kv.scratch).all()
         assert received > 0 and stats.frames_in > 150, stats
@@ -262,17 +262,41 @@ def test_session_ends_at_max_frames_and_keeps_its_outputs(models):
         engine.stop()
 
 
-def test_bounded_inbox_and_outbox_drop_with_counters(models):
+def test_bounded_inbox_and_outbox_drop_with_counters_and_events(models):
     engine = _engine(models, max_sessions=1, max_pending_frames=3, max_output_frames=2)
+    events: list[tuple[str, int]] = []
+    engine.on_dropped(lambda direction, count: events.append((direction, count)))
     try:
         session = engine.open_session()
         dropped = session.push(np.zeros(5 * FRAME, np.float32))  # one push fills the inbox atomically
         assert dropped == 2 and session.frames_dropped_in == 2 and session.frames_in == 3
+        assert events == [("in", 2)]
         _wait(lambda: session.steps == 3)
         session.push(np.zeros(3 * FRAME, np.float32))
         _wait(lambda: session.steps == 6)
         assert session.frames_out == 5 and session.frames_dropped_out == 3
+        assert events == [("in", 2)] + [("out", 1)] * 3
         assert [session.get(timeout=1).frame for _ in range(2)] == [3, 4]  # the newest two are kept
+    finally:
+        engine.stop()
+
+
+def test_each_output_carries_the_arrival_of_the_input_frame_that_made_it(models):
+    """Output k comes from the step of input frame k + 1 (the first frame only fills the acoustic delay)."""
+    engine = _engine(models, max_sessions=1)
+    try:
+        session = engine.open_session()
+        pushed = []
+        for n in range(1, 5):
+            before = time.monotonic()
+            session.push(np.zeros(FRAME, np.float32))
+            pushed.append((before, time.monotonic()))
+            _wait(lambda n=n: session.steps == n)
+            time.sleep(0.02)
+        outs = [session.get(timeout=1) for _ in range(3)]
+        for k, out in enumerate(outs):
+            before, after = pushed[k + 1]
+            assert before <= out.arrival <= after, (k, out.arrival, pushed)
     finally:
         engine.stop()
 
@@ -340,9 +364,9 @@ def test_kv_pool_from_cuda_memory_leaves_room_for_mimi_streams_and_headroom(mode
     """Sizing from free GPU memory, checked on the CPU with the free-memory query stubbed."""
     import torch
 
+    from duplexd.engine.engine import CUDA_HEADROOM, pool_pages
     from duplexd.engine.kv_cache import PagedKVCache
     from duplexd.engine.models.mimi import MimiStreams
-    from duplexd.engine.scheduler import CUDA_HEADROOM, pool_pages
 
     lm, mimi = models
     cfg = lm.cfg

@@ -77,7 +77,7 @@ def test_admission_is_host_bookkeeping_only():
     wait for the step in flight). The slot's KV row reaches the device on the loop thread, before its first step."""
     from duplexd.engine.config import DEMO, DEMO_MIMI, SamplingParams
     from duplexd.engine.demo import random_lm
-    from duplexd.engine.scheduler import Engine, EngineConfig
+    from duplexd.engine.engine import Engine, EngineConfig
 
     engine = Engine(random_lm(DEMO, seed=0), MimiModel(DEMO_MIMI).init_weights_(0),
                     config=EngineConfig(max_sessions=2, page_size=64))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from duplexd.engine.engine import Engine, EngineConfig
 from duplexd.engine.pipeline import Pipeline
-from duplexd.engine.scheduler import Engine, EngineConfig
 from duplexd.server.runtime import random_models
 
 _PATH = Path(__file__).resolve().parents[1] / "bench" / "gpu_capacity.py"
@@ -186,9 +186,9 @@ def test_the_kv_pool_bounds_the_sweep(tmp_path):
 def test_pool_sessions_counts_mimi_streams_per_slot(monkeypatch):
     """Each slot costs Mimi streams beside its KV pages, so the bench asks the engine's sizing rule for the most
     slots whose sessions all fit (CUDA memory stubbed, checked on the CPU)."""
+    from duplexd.engine.engine import CUDA_HEADROOM
     from duplexd.engine.kv_cache import PagedKVCache, window_pages
     from duplexd.engine.models.mimi import MimiStreams
-    from duplexd.engine.scheduler import CUDA_HEADROOM
 
     lm, mimi = random_models("demo", "cpu", torch.float32)
     cfg, page_size = lm.cfg, 64

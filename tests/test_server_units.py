@@ -1,4 +1,4 @@
-"""Server pieces without a model: framing, query parsing, settings, Realtime events, latency matching, access
+"""Server pieces without a model: framing, query parsing, settings, Realtime events, access
 checks, and the HTTP routes of an app whose engine is still warming up or failed."""
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from starlette.requests import Request
 from starlette.websockets import WebSocketDisconnect
 
 from duplexd.engine.config import ConfigError, SamplingParams
-from duplexd.engine.scheduler import EngineStats
+from duplexd.engine.engine import EngineStats
 from duplexd.server import protocol
 from duplexd.server import realtime_events as ev
 from duplexd.server.access import access_denied, presented_key
 from duplexd.server.app import create_app
 from duplexd.server.closing import Close, CloseCode, close_for_session_end
-from duplexd.server.latency import FrameClock
 from duplexd.server.runtime import ModelInfo, Runtime
 from duplexd.server.sampling import max_frames_from_query, sampling_from_query
 from duplexd.server.settings import ServerSettings, parse_bytes
@@ -110,16 +109,6 @@ def test_close_reasons():
     assert len(Close(CloseCode.NORMAL, "x", "é" * 100).reason.encode()) <= 123
 
 
-def test_frame_clock_matches_outputs_to_their_inputs():
-    clock = FrameClock(frame_size=4)
-    clock.pushed(6, dropped=0, now=1.0)  # input frame 0 (+2 samples buffered)
-    clock.pushed(6, dropped=0, now=2.0)  # frames 1 and 2 complete
-    clock.pushed(8, dropped=1, now=3.0)  # frame 3 in, one dropped
-    assert clock.delay(0, now=2.5) == pytest.approx(0.5)  # output 0 answers input frame 1
-    assert clock.delay(2, now=3.5) == pytest.approx(0.5)  # output 1 was dropped from the outbox: skip it
-    assert clock.delay(3, now=4.0) is None  # nothing pushed for it
-
-
 def _conn(headers: dict[str, str], query: str = "") -> Request:
     raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
     return Request({"type": "http", "headers": raw, "query_string": query.encode(), "path": "/"})
@@ -157,6 +146,9 @@ class _FakeEngine:
         self.ready = False
 
     def on_step(self, callback):
+        return lambda: None
+
+    def on_dropped(self, callback):
         return lambda: None
 
     def stats(self) -> EngineStats:

@@ -1,0 +1,234 @@
+"""The batched engine: the KV pool, the pipeline, and one loop thread per device that runs step after step.
+
+`max_sessions` slots are fixed at start and every per-session tensor (Mimi streams, token ring, position,
+sampling parameters) is indexed by slot, so joining and leaving never reallocate. The loop is three calls on plain
+data: the scheduler plans a step (`Scheduler.plan`: slots to reset, sampling updates, a batch of one frame per
+session with input), the runner executes it (`Runner.execute`: Mimi encode → temporal step → DepFormer → Mimi
+decode, outputs copied back), and the scheduler hands the result to the sessions (`Scheduler.finish`).
+
+All of the engine's torch work (warm-up, graph capture, steps) runs on the loop thread with `threads` intra-op
+threads. On CPU, keep other long-lived threads that use torch at one intra-op thread (`torch.set_num_threads(1)`
+before their first op): each thread has its own OpenMP pool, and once the pools hold more threads than there
+are cores, libgomp stops spin-waiting and every parallel region sleeps and wakes its workers, which made the
+engine's steps 1.5-2x slower here (docs/BENCHMARKS.md). Threads that have exited release their pools.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError, SamplingParams
+from .graphs import default_buckets
+from .kv_cache import PagedKVCache, window_pages
+from .models.lm import LMModel
+from .models.mimi import MimiModel, MimiStreams
+from .pipeline import Pipeline
+from .runner import Runner
+from .scheduler import Scheduler
+from .session import Session, SessionOutput
+from .tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "Session", "SessionOutput", "StepRecord"]
+
+GiB = 2**30
+CUDA_HEADROOM = 4 * GiB  # left free beside the KV pool and Mimi's streams for activations, graphs and workspaces
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_sessions: int = 8
+    kv_memory: int | None = None  # bytes for the KV pool; None: a whole window per slot (CPU) or free memory (CUDA)
+    page_size: int = 64  # frames per KV page
+    max_session_frames: int | None = None  # cap on every session's length; shorter sessions reserve fewer pages
+    max_pending_frames: int = 25  # inbox bound per session (2 s of audio)
+    max_output_frames: int = 250  # outbox bound per session (20 s); the oldest frame is dropped beyond it
+    device: str = "cpu"
+    cuda_graphs: bool = True
+    pad_batches: bool = False  # pad to buckets without graphs (to run the graph path's padding on CPU)
+    buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ..., max_sessions
+    threads: int | None = None  # intra-op threads of the loop thread; default: the usable cores
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise ConfigError("max_sessions must be >= 1")
+        if self.max_session_frames is not None and self.max_session_frames < 1:
+            raise ConfigError("max_session_frames must be >= 1")
+        if self.max_pending_frames < 1 or self.max_output_frames < 1:
+            raise ConfigError("max_pending_frames and max_output_frames must be >= 1")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    batch_size: int
+    bucket: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    max_sessions: int
+    active_sessions: int
+    admissible_sessions: int  # how many more full-length sessions could open right now
+    kv_pages_total: int
+    kv_pages_used: int
+    steps: int
+    frames_in: int
+    frames_out: int
+    refused: int
+    device: str
+
+
+def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: int) -> int:
+    """Pages in the KV pool: from `kv_memory`, else from free CUDA memory, else one window per slot.
+
+    From CUDA memory: what is free now, less the Mimi streams the engine allocates next and `CUDA_HEADROOM` for
+    the frame's activations, graph pools and library workspaces (a frame's activations at 128 sessions are under
+    1 GB, nearly all Mimi's: peak RSS of its encode + decode on the CPU; held twice, by the eager warm-up's cached
+    blocks and by the graph pool), capped at a whole window per slot. The pool is two allocations: no
+    fragmentation.
+    """
+    cfg = lm.cfg
+    page = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, config.page_size, lm.text_emb.dtype)
+    wanted = config.max_sessions * per_session
+    if config.kv_memory is not None:
+        pages = config.kv_memory // page
+    elif torch.device(config.device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        streams = MimiStreams.state_bytes(mimi, config.max_sessions)
+        pages = min(wanted, max(free - streams - CUDA_HEADROOM, 0) // page)
+        logger.info("KV pool from CUDA memory: %.2f GiB free, %.2f GiB for Mimi's streams, %.2f GiB kept free",
+                    free / GiB, streams / GiB, CUDA_HEADROOM / GiB)
+    else:
+        pages = wanted
+    if pages < per_session:
+        raise ConfigError(
+            f"the KV cache memory ({pages * page / GiB:.2f} GiB) cannot hold one session "
+            f"({per_session * page / GiB:.2f} GiB); give more --kv-memory or shorten the session length"
+        )
+    return pages
+
+
+class Engine:
+    def __init__(self, lm: LMModel, mimi: MimiModel, tokenizer: TextTokenizer | None = None,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = torch.device(config.device)
+        self.sample_rate, self.frame_size = mimi.cfg.sample_rate, mimi.cfg.frame_size
+        cfg = lm.cfg
+        page_size = config.page_size
+        per_session = window_pages(cfg.context, page_size, config.max_session_frames)
+        kv = lm.new_kv_cache(config.max_sessions, pool_pages(lm, mimi, config, per_session), page_size)
+        self.kv = kv
+        logger.info(
+            "KV cache: %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",
+            kv.num_pages, page_size, (kv.keys.nbytes + kv.values.nbytes) / GiB,
+            kv.sessions_fit(config.max_session_frames), config.max_sessions,
+        )
+        self._graphs = config.cuda_graphs and self.device.type == "cuda"
+        buckets = config.buckets or default_buckets(config.max_sessions)
+        if max(buckets) < config.max_sessions:
+            raise ConfigError(f"the largest bucket {max(buckets)} is below max_sessions {config.max_sessions}")
+        self.pipeline = Pipeline(lm, mimi, config.max_sessions, kv, buckets=buckets, graphs=self._graphs,
+                                 pad=self._graphs or config.pad_batches)
+        self.scheduler = Scheduler(kv, self.frame_size, config.max_pending_frames, config.max_output_frames)
+        self.runner = Runner(self.pipeline, kv, tokenizer, {cfg.text_padding_token_id, cfg.end_of_text_padding_id})
+        self._listeners: list[Callable[[StepRecord], None]] = []
+        self._thread: threading.Thread | None = None
+        self._threads = config.threads or len(os.sched_getaffinity(0))
+        if self.device.type == "cpu" and torch.get_num_threads() > 1:
+            logger.warning(
+                "this thread uses %d intra-op threads beside the engine's loop thread; on CPU call "
+                "torch.set_num_threads(1) before loading models, or the engine's steps slow down (module docs)",
+                torch.get_num_threads(),
+            )
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self.ready = False
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the loop thread and wait until it is warm (throw-away steps, then CUDA graph capture)."""
+        if self._thread is not None:
+            return
+        self._started.clear()
+        self._thread = threading.Thread(target=self._run, name=f"duplexd-engine-{self.device}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._start_error
+        self.ready = True
+        logger.info("engine ready on %s (%d slots, %d threads)", self.device, self.config.max_sessions,
+                    self._threads)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)
+        torch.set_grad_enabled(False)  # grad mode is per thread
+        try:
+            if self.device.type == "cuda":  # per thread: graphs, streams and Triton launch on the current device
+                torch.cuda.set_device(self.device)
+            self.runner.warm_up(self.scheduler.free_slots(), self._graphs)
+            self.scheduler.start()
+        except BaseException as e:  # noqa: BLE001 - handed to start()
+            self._start_error = e
+            return
+        finally:
+            self._started.set()
+        while (plan := self.scheduler.plan()) is not None:
+            result = self.runner.execute(plan)
+            self.scheduler.finish(plan, result)
+            if plan.slots and result.error is None:
+                record = StepRecord(len(plan.slots), result.bucket, result.seconds)
+                for listener in list(self._listeners):
+                    try:
+                        listener(record)
+                    except Exception:
+                        logger.exception("step listener failed")
+
+    def stop(self) -> None:
+        """End every session ("engine_stopped") and stop the loop thread."""
+        self.ready = False
+        self.scheduler.stop("engine_stopped")
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.scheduler.release()
+
+    def on_step(self, callback: Callable[[StepRecord], None]) -> Callable[[], None]:
+        """Call `callback(StepRecord)` on the loop thread after every step; returns a function that stops it."""
+        self._listeners.append(callback)
+        return lambda: self._listeners.remove(callback)
+
+    def on_dropped(self, callback: Callable[[str, int], None]) -> Callable[[], None]:
+        """Call `callback(direction, count)` when frames are dropped: "in" when a session's inbox is full (on the
+        pushing thread), "out" when its outbox is (on the loop thread). Returns a function that stops it."""
+        return self.scheduler.on_dropped(callback)
+
+    # ------------------------------------------------------------------------------------------- sessions
+
+    def open_session(self, params: SamplingParams | None = None, max_frames: int | None = None) -> Session:
+        """Admit a conversation, or raise `CapacityError` saying why. Non-blocking; safe on an event loop."""
+        cap = self.config.max_session_frames
+        if max_frames is not None and max_frames < 1:
+            raise ValueError("max_frames must be >= 1")
+        frames = max_frames if cap is None else min(cap, max_frames or cap)
+        session = self.scheduler.admit(params or SamplingParams(), frames)
+        logger.debug("session %s admitted in slot %d", session.id, session.slot)
+        return session
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.snapshot(self.config.max_session_frames)
+        return EngineStats(
+            self.config.max_sessions, s.active_sessions, s.admissible_sessions, self.kv.num_pages, s.kv_pages_used,
+            s.steps, s.frames_in, s.frames_out, s.refused, str(self.device),
+        )

@@ -1,0 +1,88 @@
+"""Executes step plans on the device: resets and sampling updates, then the batch's frame, its outputs copied back.
+
+Runs on the engine's loop thread only, which does all of the engine's torch work (warm-up, graph capture, steps).
+A step's outputs come back in one copy each into pinned buffers and one wait (CUDA), and text tokens are turned
+into text here, outside the scheduler's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .kv_cache import PagedKVCache
+from .pipeline import Pipeline
+from .plan import StepPlan, StepResult
+from .tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class Runner:
+    def __init__(self, pipeline: Pipeline, kv: PagedKVCache, tokenizer: TextTokenizer | None,
+                 silent: set[int]) -> None:
+        self.pipeline, self.kv, self.tokenizer, self.silent = pipeline, kv, tokenizer, silent
+        device = pipeline.device
+        pin = device.type == "cuda"
+        rows, dep_q = pipeline.num_slots, pipeline.lm_gen.cfg.dep_q
+        self._host_pcm = torch.zeros(rows, pipeline.frame_size, pin_memory=pin)
+        self._host_tokens = torch.zeros(rows, 1 + dep_q, dtype=torch.long, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+
+    def warm_up(self, slots: Sequence[int], graphs: bool) -> None:
+        """Two throw-away steps (the second decodes) at every batch size a step can run at (the buckets when
+        padding, else 1..len(slots)) in the free `slots`, so first-use costs (kernel selection and compilation,
+        oneDNN primitives and packed weights, allocator growth) are paid before the first session rather than in
+        its first frames; then, with `graphs`, the CUDA graph capture."""
+        pipeline = self.pipeline
+        for size in sorted({pipeline.bucket(n) for n in range(1, len(slots) + 1)}):
+            batch = list(slots[: min(size, self.kv.pages_free)])
+            for slot in batch:
+                self.kv.allocate(slot, 2)
+                pipeline.reset(slot)  # back to position 0: two frames stay inside the page just reserved
+            try:
+                for _ in range(2):
+                    pipeline.step(batch, np.zeros((len(batch), pipeline.frame_size), np.float32))
+            finally:
+                for slot in batch:
+                    self.kv.free(slot)
+        if graphs:
+            pipeline.capture(torch.cuda.graph_pool_handle())
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply `plan`; a failure of the batch comes back as `StepResult.error`, never raised."""
+        for slot, params in plan.resets:
+            self.pipeline.reset(slot, params)
+        for slot, params in plan.retunes:
+            self.pipeline.set_sampling(slot, params)
+        if not plan.slots:
+            return StepResult()
+        started = time.perf_counter()
+        try:
+            out = self.pipeline.step(plan.slots, np.stack(plan.frames))
+            pcm, tokens = self._to_host(out.pcm, out.tokens)
+            texts = [self._text(row[0]) for row in tokens]
+        except Exception as e:  # noqa: BLE001 - handed to the scheduler, which ends the batch's sessions
+            return StepResult(error=e)
+        return StepResult(pcm, tokens, texts, out.valid, self.pipeline.bucket(len(plan.slots)),
+                          time.perf_counter() - started)
+
+    def _to_host(self, pcm: torch.Tensor, tokens: torch.Tensor) -> tuple[np.ndarray, list[list[int]]]:
+        """The step's outputs on the host: one copy each (pinned, not waiting) and one wait on CUDA."""
+        if self._copied is None:
+            return pcm.float().numpy().copy(), tokens.tolist()
+        batch = pcm.shape[0]
+        self._host_pcm[:batch].copy_(pcm, non_blocking=True)
+        self._host_tokens[:batch].copy_(tokens, non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()
+        return self._host_pcm[:batch].numpy().copy(), self._host_tokens[:batch].tolist()
+
+    def _text(self, token: int) -> str:
+        if token in self.silent or self.tokenizer is None or token < 0:
+            return ""
+        return self.tokenizer.piece(token)
