@@ -31,7 +31,7 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ORIGIN = "http://allowed.example"
 MAX_MESSAGE = 65536
-IDLE = 3.0  # long enough that a loaded CI machine never idles out a test session by accident
+IDLE = 5.0  # long enough that a loaded CI machine never idles out a test session by accident (3 s did, twice)
 SERVER_ARGS = ["--max-sessions", "4", "--api-key", KEY, "--allowed-origins", ORIGIN, "--idle-timeout", str(IDLE),
                "--max-message-bytes", str(MAX_MESSAGE), "--ws-ping-interval", "1", "--ws-ping-timeout", "1.5",
                "--send-timeout", "2", "--max-session-seconds", "60"]
