@@ -40,6 +40,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 FRAME_SECONDS = 0.08
 CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -190,7 +192,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def fetch_metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as r:  # an overloaded loop answers late
         return parse_metrics(r.read().decode())
 
 
@@ -206,7 +208,8 @@ class Run:
     frames_in: float = 0.0
     frames_out: float = 0.0
     steps: float = 0.0
-    late: float = 0.0
+    late: float = 0.0  # server-counted late frames over the whole run (of `run_frames_out`)
+    run_frames_out: float = 0.0
     dropped_in: float = 0.0
     dropped_out: float = 0.0
     samples: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -240,8 +243,8 @@ class Run:
             "served_frac": round(self.served_frac, 4),
             "steps_per_s": round(self.steps / self.window_s, 2), "mean_batch": round(self.frames_in / self.steps, 2)
             if self.steps else None,
-            "server_late_frames": int(self.late), "server_late_frac": round(self.late / self.frames_out, 5)
-            if self.frames_out else None,
+            "server_late_frames": int(self.late), "server_late_frac": round(self.late / self.run_frames_out, 5)
+            if self.run_frames_out else None,
             "dropped_in": int(self.dropped_in), "dropped_out": int(self.dropped_out),
             "client_late_frac": max((c["late_frac"] for c in self.clients), default=None),
             "client_errors": sum(c["errors"] + c["refused"] for c in self.clients),
@@ -255,13 +258,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, max_sessions: int, step_ms: float, log: Path) -> subprocess.Popen:
+def read_counters(path: Path) -> tuple[int, int, int]:
+    """The stand-in's (steps, frames in, frames out) so far, written by the engine thread itself."""
+    steps, frames_in, frames_out = (int(x) for x in np.fromfile(path, np.int64, 3))
+    return steps, frames_in, frames_out
+
+
+def start_server(port: int, max_sessions: int, step_ms: float, log: Path, counters: Path) -> subprocess.Popen:
     cmd = [sys.executable, str(HERE / "host_overhead_server.py"), "--step-ms", str(step_ms), "--", "serve",
            "--port", str(port), "--max-sessions", str(max_sessions), "--max-pending-frames", "250",
            "--max-output-frames", "250", "--idle-timeout", "120", "--send-timeout", "60", "--static", "none",
            "--log-level", "warning"]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HOST_OVERHEAD_COUNTERS": str(counters)})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -306,6 +316,8 @@ def wait_quiet(server: subprocess.Popen, url: str, timeout: float = 180.0) -> No
 def run_one(args: argparse.Namespace, server: subprocess.Popen, url: str, protocol: str, sessions: int,
             tmp: Path) -> Run:
     wait_quiet(server, url)
+    m0 = fetch_metrics(url)
+    counters = Path(os.environ["HOST_OVERHEAD_COUNTERS"])
     run = Run(protocol, sessions)
     clients = []
     for i, n in enumerate(split(sessions, args.clients or -(-sessions // args.sessions_per_client))):
@@ -316,16 +328,19 @@ def run_one(args: argparse.Namespace, server: subprocess.Popen, url: str, protoc
         log = open(tmp / f"{protocol}-{sessions}-{i}.log", "wb")  # noqa: SIM115 - closed below
         clients.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), report, log))
     try:
-        # Wait for every session to stream, then let the pace settle before the window opens.
+        # Wait until the sessions stream (at least one frame a second each, on average, through the engine), then
+        # let the pace settle before the window opens. The engine's own counters, not /metrics: an event loop that
+        # has fallen behind answers HTTP late, and the window would land after the run.
         deadline = time.monotonic() + args.ramp + 120
-        first = fetch_metrics(url).get("duplexd_frames_in_total", 0.0)
+        last = read_counters(counters)[1]
         while True:
-            m = fetch_metrics(url)
-            if m.get("duplexd_sessions_active", 0) >= sessions and m.get("duplexd_frames_in_total", 0) > first:
+            time.sleep(1.0)
+            now = read_counters(counters)[1]
+            if now - last >= sessions:
                 break
+            last = now
             if time.monotonic() > deadline or any(p.poll() is not None for p, _, _ in clients):
                 raise RuntimeError(f"{sessions} {protocol} sessions never all streamed (see {tmp})")
-            time.sleep(0.25)
         time.sleep(args.settle)
         names = thread_names(server.pid)
         profile = tmp / f"{protocol}-{sessions}.raw"
@@ -335,27 +350,29 @@ def run_one(args: argparse.Namespace, server: subprocess.Popen, url: str, protoc
                                     str(int(args.window)), "--rate", str(args.rate), "--format", "raw",
                                     "--threads", "--nonblocking", "-o", str(profile)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        m0, c0, t0 = fetch_metrics(url), cpu_snapshot(server.pid), time.monotonic()
+        k0, c0, t0 = read_counters(counters), cpu_snapshot(server.pid), time.monotonic()
         time.sleep(args.window)
-        m1, c1, t1 = fetch_metrics(url), cpu_snapshot(server.pid), time.monotonic()
+        k1, c1, t1 = read_counters(counters), cpu_snapshot(server.pid), time.monotonic()
         names.update(thread_names(server.pid))
         run.window_s, run.cpu = t1 - t0, cpu_delta(c0, c1)
-
-        def d(key: str) -> float:
-            return m1.get(key, 0.0) - m0.get(key, 0.0)
-
-        run.frames_in, run.frames_out = d("duplexd_frames_in_total"), d("duplexd_frames_out_total")
-        run.steps, run.late = d("duplexd_engine_steps_total"), d("duplexd_frames_late_total")
-        run.dropped_in = d('duplexd_frames_dropped_total{direction="in"}')
-        run.dropped_out = d('duplexd_frames_dropped_total{direction="out"}')
+        run.steps, run.frames_in, run.frames_out = (b - a for a, b in zip(k0, k1, strict=True))
         if spy is not None:
             spy.wait(args.window + 30)
             if profile.is_file():
                 run.samples = parse_raw_profile(profile.read_text(), names)
         for proc, report, log in clients:
-            proc.wait(args.duration + args.ramp + 120)
+            proc.wait(args.duration + args.ramp + 300)
             log.close()
             run.clients.append(json.loads(report.read_text())["overall"])
+        wait_quiet(server, url)  # the whole run's late and dropped frames (the server's counters), once it idles
+        m1 = fetch_metrics(url)
+
+        def d(key: str) -> float:
+            return m1.get(key, 0.0) - m0.get(key, 0.0)
+
+        run.late, run.run_frames_out = d("duplexd_frames_late_total"), d("duplexd_frames_out_total")
+        run.dropped_in = d('duplexd_frames_dropped_total{direction="in"}')
+        run.dropped_out = d('duplexd_frames_dropped_total{direction="out"}')
     finally:
         for proc, _, log in clients:
             if proc.poll() is None:
@@ -415,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="host_overhead-")))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = start_server(port, max(counts), args.step_ms, tmp / "server.log")
+        os.environ["HOST_OVERHEAD_COUNTERS"] = str(tmp / "counters.bin")
+        server = start_server(port, max(counts), args.step_ms, tmp / "server.log", tmp / "counters.bin")
         summaries = []
         try:
             for protocol in protocols:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ logger = logging.getLogger("duplexd.bench.host_overhead")
 EVENT_LOOP_THREAD = "event-loop"
 ENGINE_THREAD = "engine-loop"
 TEXT_RATE = 0.35  # share of frames carrying a text piece (a talking model writes a few pieces per second)
+COUNTERS_ENV = "HOST_OVERHEAD_COUNTERS"  # file for the stand-in's step counters (int64 steps, frames in, out)
 VARIANTS = 16  # distinct output frames (speech and token tables) the stand-in rotates through
 
 
@@ -61,6 +63,10 @@ class StandIn:
         self.tokens = [torch.from_numpy(np.concatenate([text[v][:, None], codes[v]], axis=1)).long()
                        for v in range(VARIANTS)]
         self.step_seconds = step_seconds
+        # steps, frames in, frames out: read by the bench from this file without going through the event loop
+        # (which answers /metrics late, or not at all, once it has fallen behind).
+        path = os.environ.get(COUNTERS_ENV)
+        self.counters = np.memmap(path, np.int64, "w+", shape=(3,)) if path else np.zeros(3, np.int64)
         self.started: set[int] = set()  # slots that have had their first (invalid) frame since their reset
         self.steps = 0
         self.named = False
@@ -74,6 +80,7 @@ class StandIn:
         self.started.update(slots)
         variant = self.steps % VARIANTS
         self.steps += 1
+        self.counters += (1, batch, sum(valid))
         if self.step_seconds:
             time.sleep(self.step_seconds)  # the device's time, costing the host no CPU
         speech = self.pcm[variant][:batch]

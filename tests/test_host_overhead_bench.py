@@ -85,7 +85,7 @@ def test_parse_raw_profile_and_attribution():
 
 def test_per_session_second_maths_and_split():
     run = ho.Run("kyutai", 4, window_s=10.0, cpu={"total": 0.5, "event-loop": 0.4, "engine-loop": 0.1},
-                 frames_in=250.0, frames_out=240.0, steps=125.0, late=12.0)
+                 frames_in=250.0, frames_out=240.0, steps=125.0, late=12.0, run_frames_out=240.0)
     assert run.audio_session_s == pytest.approx(20.0)  # 250 frames of 80 ms
     assert run.served_frac == pytest.approx(0.5)  # 4 sessions x 10 s were due
     summary = run.summary()
