@@ -74,10 +74,11 @@ class Adapter(ABC):
             await self.ws.send_text(data)
 
 
-async def receive(ws: WebSocket, timeout: float | None) -> dict:
-    """The next client message; `Disconnected` when the client has gone, `TimeoutError` after `timeout`."""
+async def receive(ws: WebSocket, timeout: float | None = None) -> dict:
+    """The next client message; `Disconnected` when the client has gone, `TimeoutError` after `timeout` (None, as
+    the pump calls it: no timer, its watchdog keeps the idle timeout)."""
     try:
-        message = await asyncio.wait_for(ws.receive(), timeout)
+        message = await (ws.receive() if timeout is None else asyncio.wait_for(ws.receive(), timeout))
     except asyncio.TimeoutError:
         raise TimeoutError from None
     except RuntimeError as e:  # starlette: receive after the disconnect message
@@ -98,17 +99,18 @@ class Pump:
     def __init__(self, adapter: Adapter, session: Session, limits: Limits, metrics: Metrics) -> None:
         self.adapter, self.session, self.limits, self.metrics = adapter, session, limits, metrics
         self.started = time.monotonic()
+        # What the watchdog checks: when the client last sent a message, and since when a send has been blocked
+        # (None: no send in progress). One timer per session instead of two per frame (wait_for makes a task).
+        self._last_message = self.started
+        self._sending_since: float | None = None
 
     # ------------------------------------------------------------------------------------------- the tasks
 
     async def _read(self) -> None:
-        limits = self.limits
+        limits, ws = self.limits, self.adapter.ws
         while True:
-            try:
-                message = await receive(self.adapter.ws, limits.idle_timeout)
-            except TimeoutError:
-                raise Close(CloseCode.NORMAL, "idle_timeout",
-                            f"idle timeout: no message for {limits.idle_timeout:g} s") from None
+            message = await receive(ws)
+            self._last_message = time.monotonic()
             size = message_size(message)
             if size > limits.max_message_bytes:
                 raise Close(CloseCode.MESSAGE_TOO_BIG, "message_too_big",
@@ -129,22 +131,40 @@ class Pump:
             out = await session.recv()
             if out is None:
                 raise close_for_session_end(session.close_reason)
-            delay = time.monotonic() - out.arrival  # since the input frame whose step made this output was pushed
+            now = time.monotonic()
+            delay = now - out.arrival  # since the input frame whose step made this output was pushed
             self.metrics.latency.observe(delay)
             if delay > limits.late_frame_seconds:
                 self.metrics.late.inc()
+            self._sending_since = now
             try:
-                await asyncio.wait_for(self.adapter.send_output(out), limits.send_timeout)
-            except asyncio.TimeoutError:
-                raise Close(CloseCode.POLICY_VIOLATION, "slow_reader",
-                            f"the client stopped reading: a send was blocked for {limits.send_timeout:g} s",
-                            notify=False) from None
+                await self.adapter.send_output(out)
             except Exception as e:  # noqa: BLE001 - the transport is gone; any error means the same
                 raise Disconnected(str(e)) from None
+            self._sending_since = None
+
+    async def _watch(self) -> None:
+        """Idle and send timeouts: ends the session when the client sent nothing for `idle_timeout`, or when one send
+        has been blocked for `send_timeout`. Wakes at the next deadline that could pass, not per frame."""
+        limits = self.limits
+        while True:
+            now = time.monotonic()
+            idle_at = self._last_message + limits.idle_timeout
+            if now >= idle_at:
+                raise Close(CloseCode.NORMAL, "idle_timeout", f"idle timeout: no message for {limits.idle_timeout:g} s")
+            sending = self._sending_since
+            if sending is not None and now >= sending + limits.send_timeout:
+                raise Close(CloseCode.POLICY_VIOLATION, "slow_reader",
+                            f"the client stopped reading: a send was blocked for {limits.send_timeout:g} s",
+                            notify=False)
+            # A send that starts after now cannot time out before now + send_timeout.
+            await asyncio.sleep(min(idle_at, (now if sending is None else sending) + limits.send_timeout) - now)
 
     async def run(self) -> Close | Disconnected:
         """Pump until the session ends; returns the close sent to the client, or how it disconnected."""
-        tasks = [asyncio.create_task(self._read(), name="ws-read"), asyncio.create_task(self._write(), name="ws-write")]
+        self._last_message = time.monotonic()  # the idle clock starts with the conversation, after the greeting
+        tasks = [asyncio.create_task(self._read(), name="ws-read"), asyncio.create_task(self._write(), name="ws-write"),
+                 asyncio.create_task(self._watch(), name="ws-watch")]
         try:
             remaining = self.limits.max_session_seconds - (time.monotonic() - self.started)
             done, _ = await asyncio.wait(tasks, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)

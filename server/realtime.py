@@ -39,6 +39,7 @@ class RealtimeAdapter(Adapter):
         self.pump: Pump | None = None
         self.session_id = ev.new_id("sess")
         self.response_id, self.item_id = ev.new_id("resp"), ev.new_id("item")
+        self.audio_delta = ev.AudioDeltas(self.response_id, self.item_id)
         self.response_started = False
 
     def session_object(self, params: SamplingParams) -> dict:
@@ -79,7 +80,7 @@ class RealtimeAdapter(Adapter):
         if not self.response_started:
             self.response_started = True
             messages.append(ev.response_created(self.response_id))
-        messages.append(ev.audio_delta(self.response_id, self.item_id, out.pcm))
+        messages.append(self.audio_delta(out.pcm))
         if out.text:
             messages.append(ev.transcript_delta(self.response_id, self.item_id, out.text))
         async with self.send_lock:

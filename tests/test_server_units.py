@@ -236,3 +236,21 @@ def test_runtime_admits_on_the_engine_with_most_room():
     a.full = True
     with pytest.raises(CapacityError, match="KV pages"):
         runtime.open_session(SamplingParams())
+
+
+def test_realtime_pcm16_and_audio_delta_template():
+    rng = np.random.default_rng(0)
+    pcm = np.concatenate([rng.standard_normal(1914).astype(np.float32), np.float32([1.5, -1.5, 0.5, -0.5, 1e-5, 0])])
+    reference = (np.clip(pcm, -1, 1) * 32767.0).round().astype("<i2").tobytes()  # the plain formula, kept here
+    assert base64.b64decode(ev.encode_audio(pcm)) == reference
+    assert ev.pcm16_bytes(pcm).dtype == np.dtype("<i2")
+    raw = base64.b64encode(np.int16([-32768, -1, 0, 1, 32767]).astype("<i2").tobytes()).decode()
+    assert ev.decode_audio({"audio": raw}).tolist() == [-1.0, -1 / 32768, 0.0, 1 / 32768, 32767 / 32768]
+    deltas = ev.AudioDeltas('resp_"quoted"', "item\\1")
+    first, second = json.loads(deltas(pcm)), json.loads(deltas(pcm[:960]))
+    assert first == {"type": "response.output_audio.delta", "event_id": first["event_id"],
+                     "response_id": 'resp_"quoted"', "item_id": "item\\1", "output_index": 0, "content_index": 0,
+                     "delta": ev.encode_audio(pcm)}
+    assert len(base64.b64decode(second["delta"])) == 1920
+    ids = {first["event_id"], second["event_id"], *(ev.event_id() for _ in range(1000))}
+    assert len(ids) == 1002 and all(i.startswith("event_") for i in ids)
