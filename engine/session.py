@@ -89,7 +89,9 @@ class Session:
     def push(self, pcm: np.ndarray) -> int:
         """Queue mono float audio at the engine's rate (any length); returns how many whole frames were dropped
         because the inbox already held `max_pending_frames`. Non-finite samples become 0."""
-        samples = np.nan_to_num(np.asarray(pcm, dtype=np.float32).reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+        samples = np.array(pcm, dtype=np.float32).reshape(-1)  # a copy: callers reuse their buffers
+        if not np.isfinite(samples).all():  # checking first: nan_to_num's masks cost more than the check
+            np.nan_to_num(samples, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
         host = self._host
         size, limit = host.frame_size, host.max_pending_frames
         now = time.monotonic()

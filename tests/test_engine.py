@@ -380,3 +380,30 @@ def test_kv_pool_from_cuda_memory_leaves_room_for_mimi_streams_and_headroom(mode
     assert pool_pages(lm, mimi, EngineConfig(max_sessions=2, page_size=8, device="cuda"), per_session=3) == 6
     with pytest.raises(ConfigError, match="cannot hold one session"):
         pool_pages(lm, mimi, config, per_session=8)
+
+
+class _Host:
+    """The smallest SessionHost: records nothing, queues up to 8 frames."""
+
+    lock = threading.Lock()
+    frame_size, max_pending_frames, max_output_frames = FRAME, 8, 8
+
+    def frames_ready(self) -> None: ...
+    def params_changed(self, session) -> None: ...
+    def session_ended(self, session) -> None: ...
+    def frames_dropped(self, direction: str, count: int) -> None: ...
+
+
+def test_push_zeroes_non_finite_samples_and_keeps_its_own_copy():
+    from duplexd.engine.session import Session
+
+    session = Session(_Host(), slot=0, params=SamplingParams(), max_frames=None)
+    buffer = np.linspace(-0.5, 0.5, 2 * FRAME, dtype=np.float32)
+    buffer[[3, FRAME + 7, FRAME + 9]] = [np.nan, np.inf, -np.inf]
+    expected = np.where(np.isfinite(buffer), buffer, 0.0)
+    session.push(buffer)
+    buffer[:] = 9.0  # the caller reuses its buffer (the Realtime adapter's pcm16 scratch does)
+    frames = [session.take_frame() for _ in range(2)]
+    assert np.array_equal(np.concatenate([f[0] for f in frames]), expected)
+    session.push(buffer[:FRAME])  # all finite: queued as given
+    assert np.array_equal(session.take_frame()[0], np.full(FRAME, 9.0, np.float32))
