@@ -522,7 +522,7 @@ class MimiStreams:
     `encode` and `decode` step any subset of slots by whole frames; their states are independent, so they may be
     interleaved freely. A fresh (or reset) slot behaves as the reference's `mimi.streaming()` right after entry:
     consecutive `encode` calls give the same codes as the reference's streaming `mimi.encode` on the same frames.
-    The reference *server* additionally resets Mimi after the first frame it encodes (moshi.md §1.5); a caller
+    The reference *server* additionally resets Mimi after the first frame it encodes; a caller
     reproducing that calls `reset(slot)` after the first `encode` (the LM ignores that first frame anyway).
 
     Every state tensor has one more row, the scratch slot (`scratch_slot`): padding rows of a bucketed batch, and
