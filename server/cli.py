@@ -98,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
     """Check everything that needs no model and bind the port, load the model, then serve until interrupted."""
     import uvicorn
 
+    from duplexd.engine.errors import InputRefused
+
     from .app import create_app
-    from .preflight import preflight
+    from .preflight import preflight, refused
     from .runtime import load_runtime
 
     settings = settings_from_args(args)
@@ -113,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
             what = "the DEMO model (random weights: it speaks noise)" if settings.demo else "the given weights"
         logger.info("duplexd serve: %s on %s, %d sessions per device, at %s", what, ",".join(settings.devices),
                     settings.max_sessions, url)
-        runtime = load_runtime(settings)
+        try:
+            runtime = load_runtime(settings)
+        except InputRefused as e:  # what only loading shows (a file that does not match the model)
+            raise refused(settings, e, "moshi_weight") from None
         app = create_app(settings, runtime)
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, ssl_certfile=settings.ssl_certfile,

@@ -19,7 +19,8 @@ from duplexd.engine.model_files import check_model_files, model_files
 from .settings import ServerSettings, SettingsError
 
 
-def _refused(settings: ServerSettings, error: InputRefused, default: str) -> SettingsError:
+def refused(settings: ServerSettings, error: InputRefused, default: str) -> SettingsError:
+    """An engine's refusal of an input, named as this server was given it (flag or variable)."""
     return SettingsError(f"{settings.option_name(error.option or default)} {error}")
 
 
@@ -49,7 +50,7 @@ def bind(settings: ServerSettings) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise SettingsError(f"{settings.option_name('host')} {host}: not an address of this machine ({e.strerror})") \
+        raise SettingsError(f"{settings.option_name('host')} {host}: not a known host name or address ({e.strerror})") \
             from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
@@ -75,7 +76,7 @@ def preflight(settings: ServerSettings) -> socket.socket:
     try:
         check_devices(settings.devices, "devices")
     except InputRefused as e:
-        raise _refused(settings, e, "devices") from None
+        raise refused(settings, e, "devices") from None
     check_tls(settings)
     check_static(settings)
     sock = bind(settings)
@@ -87,6 +88,6 @@ def preflight(settings: ServerSettings) -> socket.socket:
     except BaseException as e:
         sock.close()
         if isinstance(e, InputRefused):
-            raise _refused(settings, e, "moshi_weight") from None
+            raise refused(settings, e, "moshi_weight") from None
         raise
     return sock

@@ -60,6 +60,8 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
     "certificate not PEM": (["serve", "--ssl-certfile", "{tmp}/bad.json", "--ssl-keyfile", "{tmp}/bad.json"],
                             "--ssl-certfile {tmp}/bad.json / --ssl-keyfile {tmp}/bad.json: not a PEM", {}),
     "static folder missing": (["serve", "--static", "{tmp}/web"], "--static {tmp}/web: directory not found", {}),
+    "host unknown": (["serve", "--host", "no-such-host.invalid"], "--host no-such-host.invalid: not a known host", {}),
+    "host not this machine's": (["serve", "--host", "192.0.2.1"], "--host 192.0.2.1: cannot bind", {}),
     "port in use": (["serve", "--port", "{busy}"], "--port {busy}: 127.0.0.1:{busy} is already in use", {}),
     "unknown random-weights preset": (["serve", "--random-weights", "moshi-70b"],
                                       "--random-weights moshi-70b: unknown preset", {}),
