@@ -1,8 +1,9 @@
 """`duplexd serve`: flags derived from `ServerSettings` (each also a `DUPLEXD_*` variable), checks, model loading
 before the port listens, uvicorn.
 
-Only argparse is imported at module level, so other `duplexd` commands do not pay for FastAPI and uvicorn; the
-settings model (pydantic only) is what the flags are built from.
+Each flag is built from its settings field (name, help, default, `Literal` choices), so an option is written once,
+in `settings`. Only argparse and the settings model (pydantic) are imported at module level, so other `duplexd`
+commands do not pay for FastAPI and uvicorn.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from pydantic import ByteSize
 from pydantic.fields import FieldInfo
 
 from .settings import ServerSettings, env_name, option_name
@@ -38,7 +40,7 @@ def _default(field: FieldInfo) -> str | None:
         return None
     if isinstance(value, list):
         return ",".join(value)
-    if field.annotation is not None and "ByteSize" in str(field.annotation):
+    if isinstance(value, ByteSize):
         return value.human_readable(decimal=False, separator="").replace(".0", "")
     return str(value)
 
@@ -60,8 +62,8 @@ def _add_setting(group: argparse._ArgumentGroup, name: str, field: FieldInfo) ->
     if field.annotation is bool:
         kwargs["action"] = "store_false" if flag.startswith("--no-") else "store_true"
     else:
-        if typing.get_origin(field.annotation) is list or "list[" in str(field.annotation):
-            kwargs["action"] = "append"
+        if typing.get_origin(field.annotation) is list:
+            kwargs["action"] = "append"  # repeated, or comma-separated, or both
         kwargs["choices"] = _choices(field.annotation)
         kwargs["metavar"] = extra.get("metavar") or (None if kwargs["choices"] else _metavar(name, field.annotation))
     group.add_argument(flag, **kwargs)
@@ -74,9 +76,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, field in ServerSettings.model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        title = str(extra.get("group", ""))
-        group = groups.get(title) or groups.setdefault(title, p.add_argument_group(title) if title else p)  # type: ignore[arg-type]
-        _add_setting(group, name, field)
+        title = str(extra.get("group") or "server")
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        _add_setting(groups[title], name, field)
     groups["network"].add_argument("--ssl", metavar="DIR", help="serve HTTPS/WSS with DIR/cert.pem and DIR/key.pem")
     p.set_defaults(func=run)
 
