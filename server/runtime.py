@@ -164,9 +164,10 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         files = ModelFiles(f"random:{preset}", f"random:{RANDOM_WEIGHTS_MIMI[preset]}", str(ensure_demo().tokenizer),
                            None, RANDOM_WEIGHTS_MIMI[preset])
         tokenizer_path: str | Path = files.tokenizer
-        tokenizer: TextTokenizer = RandomTextTokenizer(tokenizer_path, PRESETS[preset].text_card)
+        stretched = RandomTextTokenizer(tokenizer_path, PRESETS[preset].text_card)
         logger.warning("serving %s with RANDOM weights (no checkpoint): it speaks noise, and its text ids are read "
-                       "with the demo tokenizer (%d pieces; others show as <id>)", preset, tokenizer.pieces)
+                       "with the demo tokenizer (%d pieces; others show as <id>)", preset, stretched.pieces)
+        tokenizer: TextTokenizer = stretched
     else:
         files = resolve_files(settings)
         tokenizer_path = resolve_file(files.tokenizer, TOKENIZER_NAME)

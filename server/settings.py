@@ -11,6 +11,7 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic.config import JsonDict
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 FRAME_RATE = 12.5  # Mimi frames per second (80 ms each)
@@ -28,7 +29,7 @@ def opt(default: Any = None, description: str = "", group: str = "", flag: str |
         metavar: str | None = None, **constraints: Any) -> Any:
     """A settings field and its command-line form: `group` of the help, and `flag`/`metavar` where they differ
     from the field's name (a `list` default is a factory; a `--no-x` flag turns a bool off)."""
-    extra = {key: value for key, value in (("group", group), ("flag", flag), ("metavar", metavar)) if value}
+    extra: JsonDict = {key: value for key, value in (("group", group), ("flag", flag), ("metavar", metavar)) if value}
     if isinstance(default, list):
         return Field(default_factory=lambda: list(default), description=description, json_schema_extra=extra,
                      **constraints)
