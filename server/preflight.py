@@ -47,18 +47,15 @@ def check_static(settings: ServerSettings) -> None:
 def bind(settings: ServerSettings) -> socket.socket:
     """The server's socket, bound (not yet listening) to host and port."""
     host, port = settings.host, settings.port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)  # as uvicorn does
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart despite connections in TIME_WAIT
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise SettingsError(f"{settings.option_name('host')} {host}: not a known host name or address ({e.strerror})") \
-            from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart despite TIME_WAIT
-    try:
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError as e:
         sock.close()
+        if isinstance(e, socket.gaierror):
+            raise SettingsError(f"{settings.option_name('host')} {host}: not a known host name or address "
+                                f"({e.strerror})") from None
         if e.errno == errno.EADDRINUSE:
             raise SettingsError(f"{settings.option_name('port')} {port}: {host}:{port} is already in use; stop what "
                                 "listens there or pick another port") from None
