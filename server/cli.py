@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             runtime = load_runtime(settings)
         except InputRefused as e:  # what only loading shows (a file that does not match the model)
-            raise refused(settings, e, "moshi_weight") from None
+            raise refused(settings, e) from None
         app = create_app(settings, runtime)
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, ssl_certfile=settings.ssl_certfile,

@@ -19,9 +19,9 @@ from duplexd.engine.model_files import check_model_files, model_files
 from .settings import ServerSettings, SettingsError
 
 
-def refused(settings: ServerSettings, error: InputRefused, default: str) -> SettingsError:
+def refused(settings: ServerSettings, error: InputRefused) -> SettingsError:
     """An engine's refusal of an input, named as this server was given it (flag or variable)."""
-    return SettingsError(f"{settings.option_name(error.option or default)} {error}")
+    return SettingsError(f"{settings.option_name(error.option)} {error}" if error.option else str(error))
 
 
 def check_tls(settings: ServerSettings) -> None:
@@ -73,7 +73,7 @@ def preflight(settings: ServerSettings) -> socket.socket:
     try:
         check_devices(settings.devices, "devices")
     except InputRefused as e:
-        raise refused(settings, e, "devices") from None
+        raise refused(settings, e) from None
     check_tls(settings)
     check_static(settings)
     sock = bind(settings)
@@ -85,6 +85,6 @@ def preflight(settings: ServerSettings) -> socket.socket:
     except BaseException as e:
         sock.close()
         if isinstance(e, InputRefused):
-            raise refused(settings, e, "moshi_weight") from None
+            raise refused(settings, e) from None
         raise
     return sock
