@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+import typing
 
 import torch
 
@@ -15,10 +16,13 @@ from duplexd.clients import loadtest_cli as loadtest
 from duplexd.engine.checkpoint import load_lm
 from duplexd.engine.config import ConfigError, SamplingParams
 from duplexd.engine.demo import ensure_demo
-from duplexd.engine.errors import CheckpointError
+from duplexd.engine.devices import check_device
+from duplexd.engine.errors import InputRefused
 from duplexd.engine.lm_gen import LMGen
+from duplexd.engine.model_files import check_lm_files, check_tokenizer_file
 from duplexd.engine.tokenizer import TextTokenizer
 from duplexd.server import cli as serve
+from duplexd.server.settings import SettingsError
 
 logger = logging.getLogger("duplexd")
 
@@ -30,16 +34,23 @@ def _generate(args: argparse.Namespace) -> int:
         args.weights, args.config, args.tokenizer = demo.lm, args.config or demo.config, demo.tokenizer
         logger.warning("using the demo model: random weights, its text is a jumble of word pieces")
     if args.frames < 1:
-        raise ConfigError("--frames must be >= 1")
-    params = SamplingParams(args.text_temperature, args.text_topk, args.audio_temperature, args.audio_topk,
-                            args.seed)
-    model = load_lm(args.weights, args.config, device=args.device)
+        raise ConfigError(f"--frames {args.frames}: must be at least 1")
+    device = check_device(args.device)
+    try:
+        params = SamplingParams(args.text_temperature, args.text_topk, args.audio_temperature, args.audio_topk,
+                                args.seed)
+    except ConfigError as e:
+        raise ConfigError(f"--text-temperature, --text-topk, --audio-temperature, --audio-topk: {e}") from None
+    cfg = check_lm_files(str(args.weights), args.config and str(args.config), option="weights")
+    if args.tokenizer:
+        check_tokenizer_file(str(args.tokenizer), cfg)
+    model = load_lm(args.weights, args.config, device=device)
     tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
     gen = LMGen(model, num_slots=1)
     gen.reset(0, params)
     codes = torch.randint(0, model.cfg.card, (args.frames, model.cfg.num_user_codebooks),
-                          generator=torch.Generator().manual_seed(args.seed), device="cpu").to(args.device)
-    slot = torch.tensor([0], device=args.device)
+                          generator=torch.Generator().manual_seed(args.seed), device="cpu").to(device)
+    slot = torch.tensor([0], device=device)
     started = time.perf_counter()
     pad = {model.cfg.text_padding_token_id, model.cfg.end_of_text_padding_id}
     for frame in range(args.frames):
@@ -55,8 +66,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`duplexd serve: error: ...`), exit 2, as every start-up error is."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def error_line(command: str, error: Exception) -> str:
+    """One line naming the option at fault: an engine error's `option` keyword becomes its flag."""
+    option = getattr(error, "option", None)
+    text = f"--{option.replace('_', '-')} {error}" if option else str(error)
+    return f"duplexd {command}: error: {' '.join(text.split())}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="duplexd", description="Full-duplex speech-dialogue server.")
+    parser = Parser(prog="duplexd", description="Full-duplex speech-dialogue server.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -86,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (CheckpointError, ConfigError, infer.InputError) as e:
-        print(f"duplexd: error: {e}", file=sys.stderr)
+    except (InputRefused, ConfigError, SettingsError, infer.InputError) as e:
+        print(error_line(args.command, e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,30 +13,19 @@ import soundfile as sf
 import soxr
 import torch
 
-from duplexd.engine.checkpoint import MIMI_NAME, MOSHI_NAME, load_lm, load_mimi
+from duplexd.engine.checkpoint import load_lm, load_mimi
 from duplexd.engine.config import MIMI_PRESETS, ConfigError, SamplingParams
-from duplexd.engine.demo import ensure_demo
+from duplexd.engine.devices import check_device
 from duplexd.engine.hub import resolve_file
+from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_model_files, model_files
 from duplexd.engine.pipeline import Pipeline
 from duplexd.engine.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_NAME = "tokenizer_spm_32k_3.model"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class InputError(ValueError):
     """The input audio cannot be used; the message says why."""
-
-
-@dataclass
-class ModelFiles:
-    moshi: str
-    mimi: str
-    tokenizer: str
-    config: str | None
-    mimi_preset: str
 
 
 def read_audio(path: str | Path, sample_rate: int, min_samples: int) -> np.ndarray:
@@ -57,33 +45,38 @@ def read_audio(path: str | Path, sample_rate: int, min_samples: int) -> np.ndarr
     return mono
 
 
-def model_files(args: argparse.Namespace) -> ModelFiles:
-    """Where the weights come from: explicit files, a Hugging Face repo, or (neither) the demo model."""
-    explicit = args.moshi_weight or args.mimi_weight or args.tokenizer
-    if args.hf_repo:
-        repo = f"hf://{args.hf_repo}"
-        return ModelFiles(args.moshi_weight or f"{repo}/{MOSHI_NAME}", args.mimi_weight or f"{repo}/{MIMI_NAME}",
-                          args.tokenizer or f"{repo}/{TOKENIZER_NAME}", args.config, args.mimi_preset)
-    if explicit:
-        given = {"--moshi-weight": args.moshi_weight, "--mimi-weight": args.mimi_weight,
-                 "--tokenizer": args.tokenizer}
-        missing = [flag for flag, value in given.items() if not value]
-        if missing:
-            raise ConfigError(f"without --hf-repo, also pass {', '.join(missing)}")
-        return ModelFiles(args.moshi_weight, args.mimi_weight, args.tokenizer, args.config, args.mimi_preset)
-    demo = ensure_demo()
-    logger.warning("no weights given: using the demo model (random weights; it speaks noise)")
-    return ModelFiles(str(demo.lm), str(demo.mimi), str(demo.tokenizer), args.config or str(demo.config), "demo")
+def check_paths(args: argparse.Namespace) -> None:
+    """The input readable as audio and the outputs' folders there, before minutes of model loading."""
+    try:
+        sf.info(str(args.input))
+    except (sf.LibsndfileError, RuntimeError, OSError) as e:
+        raise InputError(f"cannot read audio from {args.input}: {e}") from None
+    for name, path in (("output", args.output), ("--tokens-out", args.tokens_out)):
+        if path and not Path(path).expanduser().resolve().parent.is_dir():
+            raise InputError(f"{name} {path}: its directory does not exist")
+
+
+def prepare(args: argparse.Namespace) -> tuple[str, ModelFiles, SamplingParams]:
+    """Every check that needs no model: the device, the input and output paths, sampling, the model files."""
+    device = check_device(args.device)
+    check_paths(args)
+    try:
+        params = SamplingParams(args.temp_text, args.topk_text, args.temp, args.topk, args.seed)
+    except ConfigError as e:
+        raise ConfigError(f"--temp, --temp-text, --topk, --topk-text: {e}") from None
+    files = model_files(moshi_weight=args.moshi_weight, mimi_weight=args.mimi_weight, tokenizer=args.tokenizer,
+                        config=args.config, hf_repo=args.hf_repo, mimi_preset=args.mimi_preset)
+    check_model_files(files)
+    return device, files, params
 
 
 def run(args: argparse.Namespace) -> int:
-    files = model_files(args)
-    dtype = DTYPES[args.dtype]
-    lm = load_lm(files.moshi, files.config, device=args.device, dtype=dtype)
-    mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=args.device, dtype=torch.float32)
+    device, files, params = prepare(args)
+    lm = load_lm(files.moshi, files.config, device=device, dtype=DTYPES[args.dtype])
+    mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
     tokenizer = TextTokenizer(resolve_file(files.tokenizer, TOKENIZER_NAME))
     pipeline = Pipeline(lm, mimi, num_slots=1)
-    pipeline.reset(0, SamplingParams(args.temp_text, args.topk_text, args.temp, args.topk, args.seed))
+    pipeline.reset(0, params)
 
     frame = pipeline.frame_size
     pcm = read_audio(args.input, mimi.cfg.sample_rate, min_samples=frame)

@@ -181,25 +181,37 @@ def build_lm(cfg: LMConfig, device: torch.device | str = "cpu", dtype: torch.dty
     return model.to(dtype).to_empty(device=device).eval()
 
 
-def _config_for(weights: Path, config: LMConfig | str | Path | None, weights_ref: str) -> LMConfig:
+def read_lm_config(path: str | Path) -> LMConfig:
+    """A reference `config.json` as an `LMConfig`; `CheckpointError` naming the file when it cannot be used."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object of LM settings")
+    try:
+        return lm_config_from_dict(raw)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: bad config: {e}") from None
+
+
+def lm_config_for(weights: Path, config: LMConfig | str | Path | None, weights_ref: str) -> LMConfig:
+    """The LM configuration: `config` itself, the `config.json` it names, the one beside the weights (or in their
+    hub repo), else Moshi 7B (as the reference does). Raises `CheckpointError`."""
     if isinstance(config, LMConfig):
         return config
-    try:
-        if config is not None:
-            raw = json.loads(Path(resolve_file(config, CONFIG_NAME)).read_text())
-            return lm_config_from_dict(raw)
-        beside = weights.parent / CONFIG_NAME
-        if not beside.is_file() and (repo := hub_repo(weights_ref)) is not None:
-            try:
-                beside = hub_file(repo, CONFIG_NAME)
-            except CheckpointError as e:
-                logger.info("no config from hf://%s: %s", repo, e)
-        if beside.is_file():
-            return lm_config_from_dict(json.loads(beside.read_text()))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"config file is not valid JSON: {e}") from None
-    except ConfigError as e:
-        raise CheckpointError(f"bad config: {e}") from None
+    if config is not None:
+        return read_lm_config(resolve_file(config, CONFIG_NAME))
+    beside = weights.parent / CONFIG_NAME
+    if not beside.is_file() and (repo := hub_repo(weights_ref)) is not None:
+        try:
+            beside = hub_file(repo, CONFIG_NAME)
+        except CheckpointError as e:
+            logger.info("no config from hf://%s: %s", repo, e)
+    if beside.is_file():
+        return read_lm_config(beside)
     logger.warning("no %s beside %s: assuming the Moshi 7B configuration", CONFIG_NAME, weights_ref)
     return MOSHI_7B
 
@@ -216,7 +228,7 @@ def load_lm(
     `config.json` beside the weights, else Moshi 7B (as the reference does).
     """
     path = resolve_file(weights, MOSHI_NAME)
-    cfg = _config_for(path, config, str(weights))
+    cfg = lm_config_for(path, config, str(weights))
     model = build_lm(cfg, device, dtype)
     naming = load_lm_weights(model, path)
     logger.info("loaded LM from %s (%s naming, %d layers, dim %d)", path, naming, cfg.num_layers, cfg.dim)

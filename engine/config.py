@@ -7,10 +7,8 @@ maps onto `LMConfig` key for key; everything derived (head dims, gated hidden si
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -179,19 +177,6 @@ def lm_config_from_dict(raw: dict[str, Any]) -> LMConfig:
         raise ConfigError(str(e)) from None
 
 
-def load_lm_config(path: str | Path) -> LMConfig:
-    """Read a reference `config.json`."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a JSON object")
-    return lm_config_from_dict(raw)
-
-
 MOSHI_7B = LMConfig()
 
 # Tiny, real architecture: several layers and heads, all 16 input codebooks, 8 DepFormer steps.
@@ -208,13 +193,6 @@ DEMO = LMConfig(
 )
 
 PRESETS: dict[str, LMConfig] = {"moshi-7b": MOSHI_7B, "demo": DEMO}
-
-
-def preset(name: str) -> LMConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,15 @@ _FILE_SUFFIXES = {".safetensors", ".sft", ".sfts", ".json", ".model", ".pt", ".b
 def hub_file(repo_id: str, filename: str) -> Path:
     """Download (or find in the cache) `filename` of the Hugging Face repo `repo_id`."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
+    if not _REPO_ID.match(repo_id):
+        raise CheckpointError(f"{repo_id!r} is not a Hugging Face repo id (org/name)")
     try:
         return Path(hf_hub_download(repo_id, filename))
     except LocalEntryNotFoundError:
@@ -31,6 +38,8 @@ def hub_file(repo_id: str, filename: str) -> Path:
         raise CheckpointError(f"hf://{repo_id} has no file {filename}") from None
     except RepositoryNotFoundError:
         raise CheckpointError(f"Hugging Face repo {repo_id} not found (or not accessible)") from None
+    except HFValidationError as e:
+        raise CheckpointError(f"{repo_id!r} is not a Hugging Face repo id: {e}") from None
     except OSError as e:
         raise CheckpointError(f"cannot fetch {filename} from hf://{repo_id}: {e}") from None
 

@@ -24,7 +24,7 @@ class TextTokenizer:
         try:
             self.sp.Load(str(path))
         except (OSError, RuntimeError) as e:
-            raise CheckpointError(f"{path} is not a sentencepiece model: {e}") from None
+            raise CheckpointError(f"{path}: not a sentencepiece model ({e})") from None
 
     @property
     def vocab_size(self) -> int:

@@ -9,7 +9,6 @@ capacity; it has learnt nothing and speaks noise.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,15 +17,15 @@ from pathlib import Path
 import torch
 
 from duplexd.engine.checkpoint import build_lm, load_lm, load_mimi
-from duplexd.engine.config import MIMI_PRESETS, PRESETS, ConfigError, LMConfig, SamplingParams
+from duplexd.engine.config import MIMI_PRESETS, PRESETS, ConfigError, SamplingParams
 from duplexd.engine.demo import ensure_demo
 from duplexd.engine.engine import Engine, EngineConfig, EngineStats, Session
-from duplexd.engine.errors import CapacityError
+from duplexd.engine.errors import CapacityError, CheckpointError
 from duplexd.engine.hub import resolve_file
+from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.tokenizer import TextTokenizer
-from duplexd.infer import DTYPES, TOKENIZER_NAME, ModelFiles, model_files
 
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
 
@@ -51,10 +50,9 @@ class ModelInfo:
 
 def resolve_files(settings: ServerSettings) -> ModelFiles:
     """The weight files to load (demo model when none are given), by the same rules as `duplexd infer`."""
-    args = argparse.Namespace(moshi_weight=settings.moshi_weight, mimi_weight=settings.mimi_weight,
-                              tokenizer=settings.tokenizer, config=settings.config, hf_repo=settings.hf_repo,
-                              mimi_preset=settings.mimi_preset)
-    return model_files(args)
+    return model_files(moshi_weight=settings.moshi_weight, mimi_weight=settings.mimi_weight,
+                       tokenizer=settings.tokenizer, config=settings.config, hf_repo=settings.hf_repo,
+                       mimi_preset=settings.mimi_preset)
 
 
 def weight_dtype(settings: ServerSettings, device: str) -> torch.dtype:
@@ -92,15 +90,6 @@ class RandomTextTokenizer(TextTokenizer):
 
     def piece(self, token: int) -> str:
         return super().piece(token) if token < self.pieces else f"<{int(token)}>"
-
-
-def check_tokenizer(tokenizer: TextTokenizer, cfg: LMConfig, path: str | Path) -> None:
-    """The LM writes text ids up to `text_card`; a tokenizer with fewer pieces would fail mid-session."""
-    if tokenizer.vocab_size < cfg.text_card:
-        raise ConfigError(
-            f"the tokenizer {path} has {tokenizer.vocab_size} pieces but the LM writes {cfg.text_card} text "
-            "tokens; pass the tokenizer the LM was trained with"
-        )
 
 
 def _model_id(settings: ServerSettings, files: ModelFiles) -> str:
@@ -163,8 +152,8 @@ class Runtime:
 
 
 def load_runtime(settings: ServerSettings) -> Runtime:
-    """Load the weights onto every device and build the engines (not started). Raises `CheckpointError` or
-    `ConfigError` with a message naming the problem."""
+    """Load the weights onto every device and build the engines (not started). Raises `CheckpointError` (tagged
+    with the option of the file at fault) with a message naming the problem; `server.preflight` checks first."""
     threads = torch.get_num_threads()
     if any(torch.device(d).type == "cpu" for d in settings.devices):
         # The engine's loop thread does all the torch work with `threads` intra-op threads; other threads that touch
@@ -175,9 +164,10 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         files = ModelFiles(f"random:{preset}", f"random:{RANDOM_WEIGHTS_MIMI[preset]}", str(ensure_demo().tokenizer),
                            None, RANDOM_WEIGHTS_MIMI[preset])
         tokenizer_path: str | Path = files.tokenizer
-        tokenizer: TextTokenizer = RandomTextTokenizer(tokenizer_path, PRESETS[preset].text_card)
+        stretched = RandomTextTokenizer(tokenizer_path, PRESETS[preset].text_card)
         logger.warning("serving %s with RANDOM weights (no checkpoint): it speaks noise, and its text ids are read "
-                       "with the demo tokenizer (%d pieces; others show as <id>)", preset, tokenizer.pieces)
+                       "with the demo tokenizer (%d pieces; others show as <id>)", preset, stretched.pieces)
+        tokenizer: TextTokenizer = stretched
     else:
         files = resolve_files(settings)
         tokenizer_path = resolve_file(files.tokenizer, TOKENIZER_NAME)
@@ -192,9 +182,15 @@ def load_runtime(settings: ServerSettings) -> Runtime:
             lm, mimi = random_models(preset, device, dtype, seed=index)
         else:
             logger.info("%s: loading the LM from %s", step, files.moshi)
-            lm = load_lm(files.moshi, files.config, device=device, dtype=dtype)
+            try:
+                lm = load_lm(files.moshi, files.config, device=device, dtype=dtype)
+            except CheckpointError as e:
+                raise CheckpointError(str(e), e.option or "moshi_weight") from None
             logger.info("%s: loading Mimi from %s", step, files.mimi)
-            mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
+            try:
+                mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
+            except CheckpointError as e:
+                raise CheckpointError(str(e), e.option or "mimi_weight") from None
         check_tokenizer(tokenizer, lm.cfg, tokenizer_path)
         config = EngineConfig(
             max_sessions=settings.max_sessions, kv_memory=settings.kv_memory,

@@ -1,76 +1,118 @@
 """Server settings: one pydantic-settings model, filled from `duplexd serve` flags and `DUPLEXD_*` variables.
 
 Flags win over the environment, the environment over the defaults, so containers can be configured without a
-command line and a developer can still override one value.
+command line and a developer can still override one value. Each field is written once: `server.cli` derives its
+flag (name, help, choices, default) from the field, so a new setting is a new field and nothing else.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ByteSize, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic.config import JsonDict
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 FRAME_RATE = 12.5  # Mimi frames per second (80 ms each)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+ENV_PREFIX = "DUPLEXD_"
 # The LM presets `--random-weights` serves, each with the Mimi preset its codebooks match.
 RANDOM_WEIGHTS_MIMI = {"moshi-7b": "mimi", "demo": "demo"}
 _WEIGHT_FILES = ("moshi_weight", "mimi_weight", "tokenizer", "config", "hf_repo")
 
 
-def parse_bytes(value: str | int | None) -> int | None:
-    """`8GiB`, `500MB`, `1.5g` or a plain number of bytes."""
-    if value is None or isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (use e.g. 8GiB, 500MB or a number of bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+class SettingsError(ValueError):
+    """A start-up setting that cannot work; the message names the flag (or variable) and the fix."""
+
+
+def opt(default: Any = None, description: str = "", group: str = "", flag: str | None = None,
+        metavar: str | None = None, **constraints: Any) -> Any:
+    """A settings field and its command-line form: `group` of the help, and `flag`/`metavar` where they differ
+    from the field's name (a `list` default is a factory; a `--no-x` flag turns a bool off)."""
+    extra: JsonDict = {key: value for key, value in (("group", group), ("flag", flag), ("metavar", metavar)) if value}
+    if isinstance(default, list):
+        return Field(default_factory=lambda: list(default), description=description, json_schema_extra=extra,
+                     **constraints)
+    return Field(default, description=description, json_schema_extra=extra, **constraints)
+
+
+_NET, _MODEL, _CAP, _ACCESS = "network", "model (default: the demo model, on the CPU)", "capacity and limits", "access"
 
 
 class ServerSettings(BaseSettings):
     """Everything `duplexd serve` can be told; each field is also `DUPLEXD_<NAME>` in the environment."""
 
-    model_config = SettingsConfigDict(env_prefix="DUPLEXD_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    # network
-    host: str = "127.0.0.1"
-    port: int = Field(8998, ge=0, le=65535)
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    # model
-    moshi_weight: str | None = None
-    mimi_weight: str | None = None
-    tokenizer: str | None = None
-    config: str | None = None
-    hf_repo: str | None = None
-    mimi_preset: Literal["mimi", "demo"] = "mimi"
-    random_weights: str | None = None  # an LM preset served with random weights (no files, no download)
-    devices: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["cpu"])
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    cuda_graphs: bool = True
-    # capacity
-    max_sessions: int = Field(4, ge=1)
-    kv_memory: int | None = None  # bytes of KV cache per device; None: the engine's default
-    max_pending_frames: int = Field(25, ge=1)  # engine inbox per session (2 s)
-    max_output_frames: int = Field(50, ge=1)  # engine outbox per session (4 s); the oldest is dropped beyond it
-    # access
-    api_key: str | None = None
-    allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)  # empty: any origin
-    # limits and timeouts
-    max_session_seconds: float = Field(360.0, gt=0)
-    idle_timeout: float = Field(30.0, gt=0)  # seconds without a client message
-    send_timeout: float = Field(10.0, gt=0)  # a send blocked this long means the client stopped reading
-    max_message_bytes: int = Field(1 << 20, ge=1024)
-    ws_ping_interval: float = Field(10.0, gt=0)
-    ws_ping_timeout: float = Field(20.0, gt=0)
-    late_frame_seconds: float = Field(0.08, gt=0)  # input-to-output delay beyond which an output frame is late
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    instance_name: str = "duplexd"
-    static: str = "auto"  # browser client at `/`: auto (the bundled one, if installed), none, or a directory
+    host: str = opt("127.0.0.1", "address to bind", _NET)
+    port: int = opt(8998, "port", _NET, ge=0, le=65535)
+    ssl_certfile: str | None = opt(None, "TLS certificate (PEM)", _NET, metavar="FILE")
+    ssl_keyfile: str | None = opt(None, "TLS private key (PEM)", _NET, metavar="FILE")
+    moshi_weight: str | None = opt(None, "LM weights: path, hf://org/repo/file or repo id", _MODEL, metavar="REF")
+    mimi_weight: str | None = opt(None, "Mimi weights", _MODEL, metavar="REF")
+    tokenizer: str | None = opt(None, "sentencepiece text tokenizer", _MODEL, metavar="REF")
+    config: str | None = opt(None, "reference config.json for the LM", _MODEL, metavar="REF")
+    hf_repo: str | None = opt(None, "take every file not given from this Hugging Face repo", _MODEL, metavar="ORG/REPO")
+    mimi_preset: Literal["mimi", "demo"] = opt("mimi", "Mimi architecture", _MODEL)
+    random_weights: str | None = opt(
+        None, f"serve an LM preset ({', '.join(RANDOM_WEIGHTS_MIMI)}) and its Mimi with random weights drawn on the "
+        "device: no files, no download; it speaks noise (for capacity tests)", _MODEL, metavar="PRESET")
+    devices: Annotated[list[str], NoDecode] = opt(
+        ["cpu"], "device to run an engine on; repeat or comma-separate for several", _MODEL, flag="--device",
+        metavar="DEVICE")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "LM weight dtype (auto: bfloat16 on CUDA, float32 on CPU)", _MODEL)
+    cuda_graphs: bool = opt(True, "run CUDA steps eagerly, not as captured graphs", _MODEL, flag="--no-cuda-graphs")
+    max_sessions: int = opt(4, "session slots per device", _CAP, ge=1)
+    kv_memory: Annotated[ByteSize, Field(gt=0)] | None = opt(
+        None, "KV cache memory per device, e.g. 40GiB (default: the engine's choice)", _CAP, metavar="SIZE")
+    max_pending_frames: int = opt(25, "input frames queued per session (25 = 2 s)", _CAP, ge=1)
+    max_output_frames: int = opt(50, "output frames queued per session, the oldest dropped beyond (50 = 4 s)", _CAP,
+                                 ge=1)
+    max_session_seconds: float = opt(360.0, "maximum session length in seconds", _CAP, gt=0)
+    idle_timeout: float = opt(30.0, "close a session after this many seconds without a client message", _CAP, gt=0)
+    send_timeout: float = opt(10.0, "close a client whose socket blocks a send this many seconds", _CAP, gt=0)
+    max_message_bytes: ByteSize = opt(ByteSize(1 << 20), "largest client message, e.g. 1MiB (at least 1KiB)", _CAP,
+                                      metavar="SIZE", ge=1024)
+    ws_ping_interval: float = opt(10.0, "keep-alive ping interval in seconds", _CAP, gt=0)
+    ws_ping_timeout: float = opt(20.0, "close when a ping is unanswered this many seconds", _CAP, gt=0)
+    late_frame_seconds: float = opt(0.08, "input-to-output delay beyond which an output frame counts as late", _CAP,
+                                    gt=0)
+    api_key: str | None = opt(None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS,
+                              metavar="KEY")
+    allowed_origins: Annotated[list[str], NoDecode] = opt(
+        [], "comma-separated browser origins allowed to connect (default: any)", _ACCESS, metavar="ORIGINS")
+    static: str = opt("auto", "serve DIR at / (auto: the bundled web client; none: nothing)", metavar="DIR")
+    instance_name: str = opt("duplexd", "name announced in the Kyutai metadata message")
+    log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
+
+    _flags: frozenset[str] = PrivateAttr(default_factory=frozenset)  # the fields given as flags
+
+    @classmethod
+    def from_options(cls, flags: dict[str, Any]) -> ServerSettings:
+        """Settings from the flags given (the rest from `DUPLEXD_*` or defaults); `SettingsError` names the flag or
+        variable at fault and what it should be."""
+        try:
+            settings = cls(**flags)
+        except ValidationError as e:
+            err = e.errors()[0]
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "byte_size":
+                msg += " (give a size such as 40GiB, 500MB or a number of bytes)"
+            if not err["loc"]:
+                raise SettingsError(msg) from None
+            field = str(err["loc"][0])
+            name = option_name(field) if field in flags else env_name(field)
+            raise SettingsError(f"{name} {err['input']}: {msg}" if err["input"] is not None else f"{name}: {msg}") \
+                from None
+        settings._flags = frozenset(flags)
+        return settings
+
+    def option_name(self, field: str) -> str:
+        """How this setting was given: its flag, else its `DUPLEXD_*` variable when that is set, else its flag."""
+        if field not in self._flags and field in self.model_fields_set:
+            return env_name(field)
+        return option_name(field)
 
     @field_validator("devices", "allowed_origins", mode="before")
     @classmethod
@@ -79,22 +121,24 @@ class ServerSettings(BaseSettings):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
 
-    @field_validator("kv_memory", mode="before")
-    @classmethod
-    def _bytes(cls, value: object) -> object:
-        return parse_bytes(value) if isinstance(value, str) else value
-
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
 
+    @field_validator("random_weights")
+    @classmethod
+    def _preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in RANDOM_WEIGHTS_MIMI:
+            raise ValueError(f"unknown preset {value!r} for random weights; choose from {sorted(RANDOM_WEIGHTS_MIMI)}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> ServerSettings:
         if not self.devices:
-            raise ValueError("give at least one device")
+            raise ValueError("--device: give at least one device")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
-            raise ValueError("TLS needs both a certificate and a key file")
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile (or --ssl DIR with cert.pem and key.pem)")
         if self.random_weights is not None:
             self._check_random_weights()
         return self
@@ -102,13 +146,11 @@ class ServerSettings(BaseSettings):
     def _check_random_weights(self) -> None:
         """A preset with random weights takes no files, and only the Mimi its LM's codebooks match."""
         preset = self.random_weights
-        if preset not in RANDOM_WEIGHTS_MIMI:
-            raise ValueError(f"unknown preset {preset!r} for random weights; choose from {sorted(RANDOM_WEIGHTS_MIMI)}")
         given = [name for name in _WEIGHT_FILES if getattr(self, name)]
         if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise ValueError(f"random weights need no files; leave out {flags}")
-        mimi = RANDOM_WEIGHTS_MIMI[preset]
+            flags = ", ".join(option_name(name) for name in given)
+            raise ValueError(f"--random-weights needs no files; leave out {flags}")
+        mimi = RANDOM_WEIGHTS_MIMI[preset]  # type: ignore[index]
         if "mimi_preset" in self.model_fields_set and self.mimi_preset != mimi:
             raise ValueError(f"the {preset} LM pairs with Mimi preset {mimi!r}, not {self.mimi_preset!r}")
 
@@ -124,3 +166,14 @@ class ServerSettings(BaseSettings):
     @property
     def scheme(self) -> str:
         return "https" if self.ssl_certfile else "http"
+
+
+def option_name(field: str) -> str:
+    """The command-line flag of a settings field."""
+    extra = ServerSettings.model_fields[field].json_schema_extra
+    flag = extra.get("flag") if isinstance(extra, dict) else None
+    return str(flag) if flag else "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()

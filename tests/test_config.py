@@ -7,7 +7,9 @@ import json
 import pytest
 from moshi.models import loaders
 
-from duplexd.engine.config import DEMO, MOSHI_7B, ConfigError, LMConfig, lm_config_from_dict, load_lm_config, preset
+from duplexd.engine.checkpoint import read_lm_config
+from duplexd.engine.config import DEMO, MOSHI_7B, ConfigError, LMConfig, lm_config_from_dict
+from duplexd.engine.errors import CheckpointError
 
 
 def test_7b_preset_is_the_released_configuration():
@@ -19,8 +21,7 @@ def test_7b_preset_is_the_released_configuration():
 def test_reference_json_round_trip(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**DEMO.to_reference_json(), "moshi_name": "model.safetensors"}))
-    assert load_lm_config(path) == DEMO
-    assert preset("demo") == DEMO and preset("moshi-7b") == MOSHI_7B
+    assert read_lm_config(path) == DEMO
 
 
 def test_demo_exercises_every_path():
@@ -41,17 +42,18 @@ def test_demo_exercises_every_path():
 def test_unsupported_configs_are_refused(tmp_path, change, message):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**MOSHI_7B.to_reference_json(), **change}))
-    with pytest.raises(ConfigError, match=message):
-        load_lm_config(path)
+    with pytest.raises(CheckpointError, match=message):
+        read_lm_config(path)
 
 
 def test_unreadable_config(tmp_path):
-    with pytest.raises(ConfigError, match="not found"):
-        load_lm_config(tmp_path / "missing.json")
+    with pytest.raises(CheckpointError, match="cannot read it"):
+        read_lm_config(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="JSON object"):
-        load_lm_config(tmp_path / "bad.json")
-    with pytest.raises(ConfigError, match="unknown preset"):
-        preset("moshi-70b")
+    with pytest.raises(CheckpointError, match="JSON object"):
+        read_lm_config(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text("{1, 2}")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        read_lm_config(tmp_path / "bad.json")
     with pytest.raises(ConfigError):
         LMConfig(dep_q=0)

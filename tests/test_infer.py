@@ -106,7 +106,7 @@ def test_bad_inputs_exit_with_a_message(tmp_path, capsys):
     assert main(["infer", str(tmp_path / "short.wav"), out]) == 2
     assert "too short" in capsys.readouterr().err
     assert main(["infer", str(tmp_path / "short.wav"), out, "--moshi-weight", "x.safetensors"]) == 2
-    assert "also pass --mimi-weight, --tokenizer" in capsys.readouterr().err
+    assert "--mimi-weight, --tokenizer: missing" in capsys.readouterr().err
 
 
 def test_infer_on_the_demo_model(tmp_path):

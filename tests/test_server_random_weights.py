@@ -9,11 +9,14 @@ import dataclasses
 import httpx2
 import pytest
 
-from duplexd.engine.config import DEMO, ConfigError
+from duplexd.engine.config import DEMO
 from duplexd.engine.demo import ensure_demo
+from duplexd.engine.errors import CheckpointError
+from duplexd.engine.model_files import check_tokenizer
 from duplexd.engine.tokenizer import TextTokenizer
 from duplexd.server.cli import settings_from_args
-from duplexd.server.runtime import RandomTextTokenizer, check_tokenizer
+from duplexd.server.runtime import RandomTextTokenizer
+from duplexd.server.settings import SettingsError
 
 from .live_server import running_server
 
@@ -36,7 +39,7 @@ def test_serve_random_weights_answers_and_says_so(tmp_path):
     ({"random_weights": "moshi-7b", "mimi_preset": "demo"}, "pairs with Mimi preset 'mimi'"),
 ])
 def test_random_weights_settings_are_checked(given, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(SettingsError, match=message):
         settings_from_args(argparse.Namespace(**given))
 
 
@@ -49,7 +52,7 @@ def test_tokenizer_must_cover_the_lm_text_vocabulary():
     demo = ensure_demo()
     tokenizer = TextTokenizer(demo.tokenizer)
     check_tokenizer(tokenizer, dataclasses.replace(DEMO, text_card=tokenizer.vocab_size), demo.tokenizer)
-    with pytest.raises(ConfigError, match=f"has {tokenizer.vocab_size} pieces but the LM writes 32000"):
+    with pytest.raises(CheckpointError, match=f"has {tokenizer.vocab_size} pieces but the LM writes 32000"):
         check_tokenizer(tokenizer, dataclasses.replace(DEMO, text_card=32000), demo.tokenizer)
     stretched = RandomTextTokenizer(demo.tokenizer, 32000)
     check_tokenizer(stretched, dataclasses.replace(DEMO, text_card=32000), demo.tokenizer)

@@ -23,7 +23,7 @@ def test_bad_weights_exit_before_binding_the_port(tmp_path):
                        "file not found"),
         "corrupt Mimi": (["--moshi-weight", str(demo.lm), "--mimi-weight", str(corrupt), *files],
                          "not a readable safetensors file"),
-        "bad setting": (["--max-sessions", "0"], "max_sessions"),
+        "bad setting": (["--max-sessions", "0"], "--max-sessions 0"),
     }
     port = free_port()
     procs = {  # all at once: each pays for importing torch
@@ -33,7 +33,7 @@ def test_bad_weights_exit_before_binding_the_port(tmp_path):
     }
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=120)
-        lines = [line for line in err.splitlines() if line.startswith("duplexd: error:")]
+        lines = [line for line in err.splitlines() if line.startswith("duplexd serve: error:")]
         assert proc.returncode == 2, (name, out, err)
         assert len(lines) == 1 and cases[name][1] in lines[0], (name, err)
         assert err.rstrip().endswith(lines[0])  # the last thing said, after the loading log

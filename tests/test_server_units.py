@@ -23,7 +23,7 @@ from duplexd.server.app import create_app
 from duplexd.server.closing import Close, CloseCode, close_for_session_end
 from duplexd.server.runtime import ModelInfo, Runtime
 from duplexd.server.sampling import max_frames_from_query, sampling_from_query
-from duplexd.server.settings import ServerSettings, parse_bytes
+from duplexd.server.settings import ServerSettings
 
 
 def test_protocol_framing():
@@ -66,9 +66,11 @@ def test_settings_from_the_environment(monkeypatch):
     assert s.port == 9100 and s.devices == ["cuda:0", "cuda:1"] and s.kv_memory == int(1.5 * 2**30)
     assert s.allowed_origins == ["https://a.example", "https://b.example"] and s.log_level == "debug"
     assert s.demo and s.max_session_frames == 4500
-    assert parse_bytes("500MB") == 500 * 10**6 and parse_bytes("123") == 123
-    with pytest.raises(ValueError):
-        parse_bytes("lots")
+    assert ServerSettings(kv_memory="500MB").kv_memory == 500 * 10**6 and ServerSettings(kv_memory=123).kv_memory == 123
+    assert ServerSettings(max_message_bytes="2MiB").max_message_bytes == 2 << 20
+    for bad in ({"kv_memory": "lots"}, {"kv_memory": 0}, {"max_message_bytes": "1KB"}):
+        with pytest.raises(ValueError):
+            ServerSettings(**bad)
     with pytest.raises(ValueError):
         ServerSettings(ssl_certfile="cert.pem")  # a certificate without its key
 

@@ -1,0 +1,123 @@
+"""Which weight files a model is loaded from, and checking them all before the first one is loaded.
+
+`duplexd infer` and `duplexd serve` take the same file options; both resolve them here: explicit files, a Hugging
+Face repo for those not given, or (none) the embedded demo model. `check_model_files` resolves every reference to a
+local file and reads what is cheap to read (safetensors headers, the config), so a missing or corrupt file is
+refused in seconds, naming its option, instead of after minutes of loading the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .checkpoint import CONFIG_NAME, MIMI_NAME, MOSHI_NAME, lm_config_for
+from .config import LMConfig
+from .demo import ensure_demo
+from .errors import CheckpointError
+from .hub import hub_repo, resolve_file
+from .tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_NAME = "tokenizer_spm_32k_3.model"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Weight references (paths, `hf://org/repo/file` or repo ids) and the Mimi preset they are read with."""
+
+    moshi: str
+    mimi: str
+    tokenizer: str
+    config: str | None
+    mimi_preset: str
+    hf_repo: str | None = None  # where the references not given explicitly come from
+
+
+def model_files(*, moshi_weight: str | None = None, mimi_weight: str | None = None, tokenizer: str | None = None,
+                config: str | None = None, hf_repo: str | None = None, mimi_preset: str = "mimi") -> ModelFiles:
+    """Where the weights come from: explicit files, a Hugging Face repo, or (neither) the demo model."""
+    if hf_repo:
+        repo = f"hf://{hf_repo}"
+        return ModelFiles(moshi_weight or f"{repo}/{MOSHI_NAME}", mimi_weight or f"{repo}/{MIMI_NAME}",
+                          tokenizer or f"{repo}/{TOKENIZER_NAME}", config, mimi_preset, hf_repo)
+    given = {"moshi_weight": moshi_weight, "mimi_weight": mimi_weight, "tokenizer": tokenizer}
+    if any(given.values()):
+        missing = [name for name, value in given.items() if not value]
+        if missing:
+            flags = ", ".join("--" + name.replace("_", "-") for name in missing)
+            raise CheckpointError(f"{flags}: missing; pass them too, or --hf-repo to take them from a repo")
+        return ModelFiles(moshi_weight, mimi_weight, tokenizer, config, mimi_preset)  # type: ignore[arg-type]
+    demo = ensure_demo()
+    logger.warning("no weights given: using the demo model (random weights; it speaks noise)")
+    return ModelFiles(str(demo.lm), str(demo.mimi), str(demo.tokenizer), config or str(demo.config), "demo")
+
+
+def local_file(ref: str, default_name: str, option: str) -> Path:
+    """`ref` as a local file (downloaded if it is on the hub); `CheckpointError` tagged with `option`, its message
+    starting with `ref`."""
+    text = ref.removeprefix("file://")
+    path = Path(text).expanduser()
+    if not text.startswith("hf://") and not path.exists() and hub_repo(text) is None:
+        raise CheckpointError(f"{ref}: file not found", option)
+    try:
+        return resolve_file(ref, default_name)
+    except CheckpointError as e:
+        raise CheckpointError(f"{ref}: {e}", option) from None
+
+
+def _check_safetensors(path: Path, ref: str, option: str) -> None:
+    """Reads the header only: a truncated or foreign file fails here, not after the other models are loaded."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{ref}: not a readable safetensors file ({e})", option) from None
+
+
+def check_tokenizer(tokenizer: TextTokenizer, cfg: LMConfig, path: str | Path) -> None:
+    """The LM writes text ids up to `text_card`; a tokenizer with fewer pieces would fail mid-session."""
+    if tokenizer.vocab_size < cfg.text_card:
+        raise CheckpointError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} pieces but the LM writes {cfg.text_card} text tokens; "
+            "pass the tokenizer the LM was trained with", "tokenizer")
+
+
+def check_lm_files(ref: str, config: str | None, option: str = "moshi_weight") -> LMConfig:
+    """The LM weights' header and its configuration checked; returns the configuration they will load with."""
+    path = local_file(ref, MOSHI_NAME, option)
+    _check_safetensors(path, ref, option)
+    config_path = config and str(local_file(config, CONFIG_NAME, "config"))
+    try:
+        return lm_config_for(path, config_path, ref)
+    except CheckpointError as e:  # its message starts with the config file's path
+        raise CheckpointError(str(e), "config" if config else option) from None
+
+
+def check_tokenizer_file(ref: str, cfg: LMConfig, option: str = "tokenizer") -> None:
+    """The tokenizer readable and large enough for the LM."""
+    path = local_file(ref, TOKENIZER_NAME, option)
+    try:
+        check_tokenizer(TextTokenizer(path), cfg, ref)
+    except CheckpointError as e:  # its message starts with the tokenizer's path
+        raise CheckpointError(str(e), option) from None
+
+
+def check_model_files(files: ModelFiles) -> None:
+    """Every reference resolved to a local file (hub files are downloaded into the cache, where loading finds them)
+    and checked as far as is cheap: safetensors headers, the LM config, the tokenizer. Raises `CheckpointError`
+    tagged with the option at fault."""
+
+    def option(ref: str, name: str, own: str) -> str:
+        return "hf_repo" if files.hf_repo and ref == f"hf://{files.hf_repo}/{name}" else own
+
+    cfg = check_lm_files(files.moshi, files.config, option(files.moshi, MOSHI_NAME, "moshi_weight"))
+    mimi_option = option(files.mimi, MIMI_NAME, "mimi_weight")
+    _check_safetensors(local_file(files.mimi, MIMI_NAME, mimi_option), files.mimi, mimi_option)
+    check_tokenizer_file(files.tokenizer, cfg, option(files.tokenizer, TOKENIZER_NAME, "tokenizer"))

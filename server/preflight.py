@@ -1,0 +1,90 @@
+"""What `duplexd serve` checks before it loads a model: devices, files, TLS, the static folder, the port.
+
+Each refusal is a `SettingsError` naming the flag (or `DUPLEXD_*` variable) and the fix, raised in seconds rather
+than after minutes of loading. The port is bound here and the socket handed to uvicorn, so "in use" is known before
+loading and cannot change afterwards.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import ssl
+from pathlib import Path
+
+from duplexd.engine.devices import check_devices
+from duplexd.engine.errors import InputRefused
+from duplexd.engine.model_files import check_model_files, model_files
+
+from .settings import ServerSettings, SettingsError
+
+
+def refused(settings: ServerSettings, error: InputRefused) -> SettingsError:
+    """An engine's refusal of an input, named as this server was given it (flag or variable)."""
+    return SettingsError(f"{settings.option_name(error.option)} {error}" if error.option else str(error))
+
+
+def check_tls(settings: ServerSettings) -> None:
+    cert, key = settings.ssl_certfile, settings.ssl_keyfile
+    if not cert or not key:
+        return
+    for field, path in (("ssl_certfile", cert), ("ssl_keyfile", key)):
+        if not Path(path).is_file():
+            raise SettingsError(f"{settings.option_name(field)} {path}: file not found")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise SettingsError(f"{settings.option_name('ssl_certfile')} {cert} / {settings.option_name('ssl_keyfile')} "
+                            f"{key}: not a PEM certificate and its private key ({e.strerror or e})") from None
+
+
+def check_static(settings: ServerSettings) -> None:
+    if settings.static not in ("auto", "none") and not Path(settings.static).is_dir():
+        raise SettingsError(f"{settings.option_name('static')} {settings.static}: directory not found "
+                            "(give a directory, auto or none)")
+
+
+def bind(settings: ServerSettings) -> socket.socket:
+    """The server's socket, bound (not yet listening) to host and port."""
+    host, port = settings.host, settings.port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)  # as uvicorn does
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart despite connections in TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if isinstance(e, socket.gaierror):
+            raise SettingsError(f"{settings.option_name('host')} {host}: not a known host name or address "
+                                f"({e.strerror})") from None
+        if e.errno == errno.EADDRINUSE:
+            raise SettingsError(f"{settings.option_name('port')} {port}: {host}:{port} is already in use; stop what "
+                                "listens there or pick another port") from None
+        if e.errno == errno.EACCES:
+            raise SettingsError(f"{settings.option_name('port')} {port}: not allowed to bind {host}:{port}; pick a "
+                                "port above 1023") from None
+        raise SettingsError(f"{settings.option_name('host')} {host}: cannot bind {host}:{port} ({e.strerror})") \
+            from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def preflight(settings: ServerSettings) -> socket.socket:
+    """Every check that needs no model, cheapest first; returns the bound socket. Raises `SettingsError`."""
+    try:
+        check_devices(settings.devices, "devices")
+    except InputRefused as e:
+        raise refused(settings, e) from None
+    check_tls(settings)
+    check_static(settings)
+    sock = bind(settings)
+    try:
+        if settings.random_weights is None:
+            check_model_files(model_files(
+                moshi_weight=settings.moshi_weight, mimi_weight=settings.mimi_weight, tokenizer=settings.tokenizer,
+                config=settings.config, hf_repo=settings.hf_repo, mimi_preset=settings.mimi_preset))
+    except BaseException as e:
+        sock.close()
+        if isinstance(e, InputRefused):
+            raise refused(settings, e) from None
+        raise
+    return sock

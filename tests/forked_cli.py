@@ -1,0 +1,53 @@
+"""Run many `python -m duplexd ARGS` command lines cheaply: one interpreter imports duplexd (and torch) once, then
+forks a child per command line that runs the real entry point (`runpy` on `duplexd.__main__`) with its own argv,
+environment, stdout and stderr, and exit code. Each is a separate process; only the import is shared.
+
+Usage: `python -m tests.forked_cli < jobs.json`, jobs a list of {"argv", "env", "out"}; writes out.stdout,
+out.stderr and out.rc per job. Forks happen before anything touches CUDA, so a child may use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+
+import duplexd.cli  # noqa: F401  (the warm import every child shares)
+
+
+def _child(argv: list[str], env: dict[str, str], out: str) -> None:
+    for fd, suffix in ((1, "stdout"), (2, "stderr")):
+        handle = os.open(f"{out}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(handle, fd)
+        os.close(handle)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["duplexd", *argv]
+    code = 1
+    try:
+        runpy.run_module("duplexd", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    jobs = json.load(sys.stdin)
+    for job in jobs:
+        pid = os.fork()
+        if pid == 0:
+            _child(job["argv"], job["env"], job["out"])
+        _, status = os.waitpid(pid, 0)
+        with open(f"{job['out']}.rc", "w") as f:
+            f.write(str(os.waitstatus_to_exitcode(status)))
+
+
+if __name__ == "__main__":
+    main()
