@@ -24,7 +24,7 @@ from .admission import serve
 from .closing import Close, CloseCode
 from .context import Context, ServerContext
 from .pump import Adapter, Pump
-from .sampling import sampling_from_query
+from .query import sampling_from_query
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

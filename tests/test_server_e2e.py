@@ -97,6 +97,10 @@ async def kyutai_open(server: Server, query: str = "", headers: dict | None = No
                          **kw)
 
 
+BUILD_INFO_KEYS = ("build_timestamp", "build_date", "git_branch", "git_timestamp", "git_date", "git_hash",
+                   "git_describe", "rustc_host_triple", "rustc_version", "cargo_target_triple")
+
+
 async def kyutai_greeting(ws) -> dict:
     meta = await ws.recv()
     assert meta[0] == 4, meta[:20]
@@ -209,11 +213,17 @@ def test_http_endpoints(server):
 
 def test_kyutai_round_trip(server):
     async def main():
-        query = "text_temperature=0.5&text_topk=10&audio_temperature=0.6&audio_topk=50&text_seed=7&pad_mult=0"
+        query = ("text_temperature=0.5&text_topk=10&audio_temperature=0.6&audio_topk=50&text_seed=7&pad_mult=0.5"
+                 "&repetition_penalty=1.3&repetition_penalty_context=32")
         async with await kyutai_open(server, query) as ws:
             info = await kyutai_greeting(ws)
             assert (info["text_temperature"], info["text_topk"], info["audio_temperature"], info["audio_topk"],
                     info["seed"]) == (0.5, 10, 0.6, 50, 7)
+            assert (info["pad_mult"], info["repetition_penalty"], info["repetition_penalty_context"]) == (0.5, 1.3, 32)
+            build = info["build_info"]  # what Kyutai's web client checks: the Rust server's ten strings
+            for key in BUILD_INFO_KEYS:
+                assert isinstance(build[key], str) and build[key], key
+            assert build["server"] == "duplexd" and build["rustc_version"].startswith("python ")
             pcm, texts, messages = await kyutai_exchange(ws, 12, pace=0.02)
             return pcm, texts, messages
 
@@ -323,6 +333,9 @@ BAD_INPUTS = [
     ("kyutai-oversize", "kyutai", AUTH, "", b"\x01" + bytes(MAX_MESSAGE + 10), 1009),
     ("kyutai-bad-query", "kyutai", AUTH, "text_temperature=hot", None, 1007),
     ("kyutai-negative-topk", "kyutai", AUTH, "audio_topk=0", None, 1007),
+    ("kyutai-zero-penalty", "kyutai", AUTH, "repetition_penalty=0", None, 1007),
+    ("kyutai-long-penalty-context", "kyutai", AUTH, "repetition_penalty_context=100000", None, 1007),
+    ("kyutai-bad-pad-mult", "kyutai", AUTH, "pad_mult=inf", None, 1007),
     ("kyutai-wrong-key", "kyutai", {"Authorization": "Bearer nope"}, "", None, 1008),
     ("kyutai-no-key", "kyutai", {}, "", None, 1008),
     ("kyutai-bad-origin", "kyutai", {**AUTH, "Origin": "http://evil.example"}, "", None, 1008),

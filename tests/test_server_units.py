@@ -14,15 +14,15 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 from starlette.websockets import WebSocketDisconnect
 
-from duplexd.engine.config import ConfigError, SamplingParams
+from duplexd.engine.config import SamplingParams
 from duplexd.engine.engine import EngineStats
 from duplexd.server import protocol
 from duplexd.server import realtime_events as ev
 from duplexd.server.access import access_denied, presented_key
 from duplexd.server.app import create_app
 from duplexd.server.closing import Close, CloseCode, close_for_session_end
+from duplexd.server.query import BadQuery, max_frames_from_query, sampling_from_query
 from duplexd.server.runtime import ModelInfo, Runtime
-from duplexd.server.sampling import max_frames_from_query, sampling_from_query
 from duplexd.server.settings import ServerSettings, parse_bytes
 
 
@@ -41,18 +41,24 @@ def test_protocol_framing():
 
 def test_sampling_from_query_uses_the_rust_server_names():
     params = sampling_from_query({"text_temperature": "0.5", "text_topk": "10", "audio_temperature": "0",
-                                  "audio_topk": "5", "text_seed": "7", "pad_mult": "1.0", "email": "x"})
-    assert params == SamplingParams(0.5, 10, 0.0, 5, 7)
+                                  "audio_topk": "5", "text_seed": "7", "pad_mult": "1.5", "repetition_penalty": "1.2",
+                                  "repetition_penalty_context": "32", "email": "x"})
+    assert params == SamplingParams(0.5, 10, 0.0, 5, 7, repetition_penalty=1.2, repetition_penalty_context=32,
+                                    pad_mult=1.5)
     assert sampling_from_query({"audio_seed": "3", "text_seed": "7"}).seed == 3
     defaults = sampling_from_query({})
     assert (defaults.text_temperature, defaults.text_topk, defaults.audio_temperature, defaults.audio_topk) == (
         0.7, 25, 0.8, 250)
     assert len({sampling_from_query({}).seed for _ in range(3)}) > 1  # a fresh seed per session by default
-    for bad in ({"text_topk": "1.5"}, {"text_temperature": "nan"}, {"audio_topk": "0"}, {"seed": "x"}):
-        with pytest.raises(ConfigError):
+    assert (defaults.repetition_penalty, defaults.repetition_penalty_context, defaults.pad_mult) == (1.0, 64, 0.0)
+    for bad in ({"text_topk": "1.5"}, {"text_temperature": "nan"}, {"audio_topk": "0"}, {"seed": "x"},
+                {"repetition_penalty": "0"}, {"repetition_penalty": "-1"}, {"repetition_penalty": "inf"},
+                {"repetition_penalty_context": "-1"}, {"repetition_penalty_context": "257"},
+                {"repetition_penalty_context": "1.5"}, {"pad_mult": "inf"}, {"pad_mult": "nan"}):
+        with pytest.raises(BadQuery):
             sampling_from_query(bad)
     assert max_frames_from_query({"max_steps": "100"}) == 100 and max_frames_from_query({}) is None
-    with pytest.raises(ConfigError):
+    with pytest.raises(BadQuery):
         max_frames_from_query({"max_steps": "0"})
 
 
