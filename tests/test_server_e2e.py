@@ -259,7 +259,7 @@ def test_realtime_round_trip(server):
             assert created["type"] == "session.created"
             assert created["session"]["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
             sampling = {"text_temperature": 0.0, "text_topk": 1, "audio_temperature": 0.5, "audio_topk": 20,
-                        "seed": 3}
+                        "seed": 3, "repetition_penalty": 1.2, "repetition_penalty_context": 16, "pad_mult": 0.5}
             await ws.send(json.dumps({"type": "session.update", "session": {"sampling": sampling}}))
             updated = json.loads(await ws.recv())
             assert updated["type"] == "session.updated" and updated["session"]["sampling"] == sampling
@@ -279,6 +279,37 @@ def test_realtime_round_trip(server):
     assert len(pcm) == 9 * FRAME  # pcm16, 3840 bytes per frame
     assert [e["type"] for e in others] == ["response.created"]
     assert texts and late["type"] == "session.updated"
+
+
+def test_realtime_text_penalties_from_the_query_and_refused_values(server):
+    """The Kyutai query parameters set a Realtime session's penalties; a bad value in a `session.update` is a
+    non-fatal error naming the parameter, one in the query string refuses the connection (1007) the same way."""
+    async def main():
+        query = "repetition_penalty=1.5&repetition_penalty_context=8&pad_mult=-1&seed=9"
+        async with await realtime_open(server, query) as ws:
+            created = json.loads(await ws.recv())
+            bad = {"type": "session.update", "event_id": "u1", "session": {"sampling": {"pad_mult": "loud"}}}
+            await ws.send(json.dumps(bad))
+            error = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "session.update", "session": {"sampling": {"repetition_penalty": 1}}}))
+            updated = json.loads(await ws.recv())
+        async with await realtime_open(server, "repetition_penalty_context=1000") as ws:
+            code, received = await closed_with(ws)
+        return created, error, updated, code, json.loads(received[-1])
+
+    created, error, updated, code, refused = run(main())
+    assert created["session"]["sampling"]["seed"] == 9
+    assert {k: created["session"]["sampling"][k] for k in ("repetition_penalty", "repetition_penalty_context",
+                                                            "pad_mult")} == {
+        "repetition_penalty": 1.5, "repetition_penalty_context": 8, "pad_mult": -1.0}
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["code"] == "invalid_value" and error["error"]["param"] == "session.sampling.pad_mult"
+    assert error["error"]["event_id"] == "u1" and "pad_mult" in error["error"]["message"]
+    assert updated["type"] == "session.updated" and updated["session"]["sampling"]["repetition_penalty"] == 1.0
+    assert updated["session"]["sampling"]["pad_mult"] == -1.0  # the rest of the session's sampling is kept
+    assert code == 1007 and refused["error"]["type"] == "invalid_request_error"
+    assert refused["error"]["code"] == "invalid_parameter"
+    assert "repetition_penalty_context" in refused["error"]["message"]
 
 
 def test_four_concurrent_sessions_then_capacity_refusal(server):
@@ -344,6 +375,9 @@ BAD_INPUTS = [
     ("realtime-bad-base64", "realtime", AUTH, "", '{"type": "input_audio_buffer.append", "audio": "@@@"}', 1007),
     ("realtime-odd-pcm16", "realtime", AUTH, "", '{"type": "input_audio_buffer.append", "audio": "AAAA"}', 1007),
     ("realtime-unknown-event", "realtime", AUTH, "", '{"type": "dance.start"}', 1002),
+    ("realtime-zero-penalty", "realtime", AUTH, "repetition_penalty=0", None, 1007),
+    ("realtime-nan-pad-mult", "realtime", AUTH, "pad_mult=nan", None, 1007),
+    ("realtime-event-id-not-a-string", "realtime", AUTH, "", '{"type": "response.create", "event_id": 1}', 1007),
     ("realtime-binary-frame", "realtime", AUTH, "", b"\x01\x02", 1003),
     ("realtime-oversize", "realtime", AUTH, "", json.dumps({"type": "input_audio_buffer.append",
                                                             "audio": "A" * MAX_MESSAGE}), 1009),
