@@ -29,14 +29,20 @@ def _penalised_tokens(history: torch.Tensor, context: torch.Tensor, vocab: int,
 
 def repetition_penalty_reference(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor,
                                  context: torch.Tensor, skip: tuple[int, ...]) -> torch.Tensor:
-    """fp32 copy of `logits` [B, V] penalised by each row's `history` [B, H], `penalty` [B] and `context` [B]."""
+    """fp32 copy of `logits` [B, V] penalised by each row's `history` [B, H], `penalty` [B] and `context` [B].
+
+    Touches only the history's entries, not the whole vocabulary (the CPU engine runs this every step): entries
+    the walk does not penalise are sent to a spare column past the vocabulary, so their writes cannot undo a
+    penalised duplicate's."""
     batch, vocab = logits.shape
-    out = logits.to(torch.float32, copy=True)
-    used = _penalised_tokens(history, context, vocab, skip)
-    hits = torch.zeros(batch, vocab, dtype=torch.int32, device=logits.device)
-    hits.scatter_add_(1, history.clamp(0, vocab - 1), used.to(torch.int32))
+    out = torch.empty(batch, vocab + 1, dtype=torch.float32, device=logits.device)
+    out[:, :vocab] = logits
+    out[:, vocab] = 0.0
+    tokens = torch.where(_penalised_tokens(history, context, vocab, skip), history, vocab)
+    x = out.gather(1, tokens)
     p = penalty.float()[:, None]
-    return torch.where(hits > 0, torch.where(out >= 0, out / p, out * p), out)
+    out.scatter_(1, tokens, torch.where(x >= 0, x / p, x * p))
+    return out[:, :vocab]
 
 
 def text_penalties_reference(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor,
