@@ -5,9 +5,9 @@ The session is admitted on connect (`session.created`, or an `error` with code `
 text a `response.output_audio_transcript.delta`, all within one long response. Sampling can be changed by
 `session.update` at any time (`session.sampling`), or set on connect by the Kyutai server's query parameters
 (`text_temperature`, ..., `repetition_penalty`, `pad_mult`); the engine applies an update from its next step and
-the conversation goes on. Malformed
-JSON or base64, binary frames and unknown event types end the connection with an `error` event and a close code;
-turn-taking events get a non-fatal `unsupported_event`.
+the conversation goes on. Malformed JSON or base64, binary frames and unknown event types end the connection with
+an `error` event and a close code; turn-taking events get a non-fatal `unsupported_event`, and a bad session
+update a non-fatal `invalid_value` naming the parameter.
 """
 
 from __future__ import annotations
