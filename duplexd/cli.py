@@ -52,7 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
                           generator=torch.Generator().manual_seed(args.seed), device="cpu").to(device)
     slot = torch.tensor([0], device=device)
     started = time.perf_counter()
-    pad = {model.cfg.text_padding_token_id, model.cfg.end_of_text_padding_id}
+    pad = set(model.cfg.silent_text_ids)
     for frame in range(args.frames):
         out = gen.step(slot, codes[frame : frame + 1])
         if out.valid[0]:

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     pcm = read_audio(args.input, mimi.cfg.sample_rate, min_samples=frame)
     pcm = np.pad(pcm, (0, -len(pcm) % frame))  # the last partial frame is zero-padded, not dropped
     frames = pcm.reshape(-1, frame)
-    silent = {lm.cfg.text_padding_token_id, lm.cfg.end_of_text_padding_id}
+    silent = set(lm.cfg.silent_text_ids)
     speech = []
     tokens_out = open(args.tokens_out, "w") if args.tokens_out else None  # noqa: SIM115
     try:

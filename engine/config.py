@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,11 @@ class LMConfig:
     def end_of_text_padding_id(self) -> int:
         return self.existing_text_end_padding_id
 
+    @property
+    def silent_text_ids(self) -> frozenset[int]:
+        """Text tokens that say nothing (padding, end of padding): never shown, never penalised."""
+        return frozenset((self.text_padding_token_id, self.end_of_text_padding_id))
+
     def to_reference_json(self) -> dict[str, Any]:
         """The reference `config.json` form (LM kwargs); readable by both duplexd and `moshi`."""
         out = dataclasses.asdict(self)
@@ -195,6 +201,10 @@ DEMO = LMConfig(
 PRESETS: dict[str, LMConfig] = {"moshi-7b": MOSHI_7B, "demo": DEMO}
 
 
+# Text tokens a session's repetition penalty can look back over: the size of LMGen's per-slot history.
+MAX_REPETITION_CONTEXT = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-session sampling; reference web-client defaults. Temperature 0 means greedy."""
@@ -204,12 +214,22 @@ class SamplingParams:
     audio_temperature: float = 0.8
     audio_topk: int = 250
     seed: int = field(default=0)
+    # Text-only knobs of the Rust server (its web client sends them): 1.0 and 0.0 are off.
+    repetition_penalty: float = 1.0
+    repetition_penalty_context: int = 64
+    pad_mult: float = 0.0
 
     def __post_init__(self) -> None:
         if self.text_temperature < 0 or self.audio_temperature < 0:
             raise ConfigError("temperatures must be >= 0")
         if self.text_topk < 1 or self.audio_topk < 1:
             raise ConfigError("top-k values must be >= 1")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ConfigError("repetition_penalty must be a finite number > 0")
+        if not 0 <= self.repetition_penalty_context <= MAX_REPETITION_CONTEXT:
+            raise ConfigError(f"repetition_penalty_context must be in 0..{MAX_REPETITION_CONTEXT}")
+        if not math.isfinite(self.pad_mult):
+            raise ConfigError("pad_mult must be a finite number")
 
 
 @dataclass(frozen=True)

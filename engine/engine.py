@@ -139,7 +139,7 @@ class Engine:
         self.pipeline = Pipeline(lm, mimi, config.max_sessions, kv, buckets=buckets, graphs=self._graphs,
                                  pad=self._graphs or config.pad_batches)
         self.scheduler = Scheduler(kv, self.frame_size, config.max_pending_frames, config.max_output_frames)
-        self.runner = Runner(self.pipeline, kv, tokenizer, {cfg.text_padding_token_id, cfg.end_of_text_padding_id})
+        self.runner = Runner(self.pipeline, kv, tokenizer, set(cfg.silent_text_ids))
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._thread: threading.Thread | None = None
         self._threads = config.threads or len(os.sched_getaffinity(0))

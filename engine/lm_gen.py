@@ -10,6 +10,10 @@ A step is host-free: ring bookkeeping, the temporal step and the text sampling +
 on device tensors only, so the engine captures it (with Mimi around it) in one CUDA graph per batch bucket.
 Padding rows of a bucket run as the scratch slot (`scratch_slot`, one past the last real slot), whose ring,
 position and KV pages nobody else reads.
+
+Text sampling applies each session's repetition penalty and pad_mult (the Rust server's knobs). Every slot keeps
+the last `MAX_REPETITION_CONTEXT` text tokens it sampled that were not special (padding, end of padding, text
+start), newest first, on the device: a step shifts the new token in with a `where`, no host look at its value.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from duplexd.kernels.sampling import sample
+from duplexd.kernels.text_penalties import repetition_penalty
 
-from .config import SamplingParams
+from .config import MAX_REPETITION_CONTEXT, SamplingParams
 from .kv_cache import PagedKVCache, window_pages
 from .models.lm import LMModel
 
@@ -68,6 +73,11 @@ class LMGen:
         self.text_topk = torch.ones(rows, dtype=torch.long, device=device)
         self.audio_topk = torch.ones(rows, dtype=torch.long, device=device)
         self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
+        self.repetition_penalty = torch.ones(rows, device=device)
+        self.repetition_context = torch.zeros(rows, dtype=torch.long, device=device)
+        self.pad_mult = torch.zeros(rows, device=device)
+        self.text_skip = (cfg.text_padding_token_id, cfg.end_of_text_padding_id, cfg.text_initial_token_id)
+        self.text_history = torch.full((rows, MAX_REPETITION_CONTEXT), -1, dtype=torch.long, device=device)
         for slot in range(num_slots):
             self.reset(slot)
         self.set_sampling(self.scratch_slot, SamplingParams(0.0, 1, 0.0, 1))  # padding rows: greedy, cheap
@@ -77,6 +87,7 @@ class LMGen:
         untouched."""
         self.ring[slot] = UNGENERATED
         self.offsets[slot] = 0
+        self.text_history[slot] = -1
         self.kv.upload(slot)
         self.set_sampling(slot, params or SamplingParams())
 
@@ -87,11 +98,30 @@ class LMGen:
         self.text_topk[slot] = params.text_topk
         self.audio_topk[slot] = params.audio_topk
         self.seeds[slot] = params.seed
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.repetition_context[slot] = params.repetition_penalty_context
+        self.pad_mult[slot] = params.pad_mult
 
-    def depformer(self, hidden, text_logits, text_temp, text_topk, audio_temp, audio_topk, seeds, positions,
+    def sample_text(self, slots: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
+                    top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The text token of `slots` [B] from `logits` [B, text_card], penalised by each slot's history, which
+        then takes the token in (unless it is special)."""
+        history = self.text_history[slots]
+        penalised = repetition_penalty(logits, history, self.repetition_penalty[slots],
+                                       self.repetition_context[slots], self.text_skip)
+        text = sample(penalised, temperature, top_k, seeds, positions, 0, self.cfg.text_padding_token_id,
+                      self.pad_mult[slots])
+        said = torch.ones_like(text, dtype=torch.bool)
+        for token in self.text_skip:
+            said &= text != token
+        shifted = torch.cat([text[:, None], history[:, :-1]], dim=1)
+        self.text_history[slots] = torch.where(said[:, None], shifted, history)
+        return text
+
+    def depformer(self, slots, hidden, text_logits, text_temp, text_topk, audio_temp, audio_topk, seeds, positions,
                   want_logits: bool = False):
         """Sample the text token, then run the DepFormer sampling each codebook: (text [B], DepformerOutput)."""
-        text = sample(text_logits, text_temp, text_topk, seeds, positions, 0)
+        text = self.sample_text(slots, text_logits, text_temp, text_topk, seeds, positions)
         out = self.model.forward_depformer(
             hidden, text, lambda step, logits: sample(logits, audio_temp, audio_topk, seeds, positions, 1 + step),
             want_logits=want_logits,
@@ -122,7 +152,7 @@ class LMGen:
                     self.audio_topk[slots], self.seeds[slots], offsets)
         text_logits = audio_logits = None
         hidden, logits = self.model.forward_text(tokens_in, offsets, self.kv, view)
-        text, depformer = self.depformer(hidden, logits, *sampling, want_logits=return_logits)
+        text, depformer = self.depformer(slots, hidden, logits, *sampling, want_logits=return_logits)
         audio = depformer.tokens
         if return_logits:
             text_logits, audio_logits = logits, depformer.logits

@@ -10,6 +10,11 @@ distribution as the reference's softmax → top-k → exponential race. Temperat
 of the maximum). Top-k ties: the kernel breaks a tie at the k-th largest logit towards lower token ids, while
 `torch.topk` leaves the order of ties unspecified, so the two may differ in rows whose k-th and (k+1)-th logits
 are exactly equal.
+
+The text stream may carry a `pad_mult` per row (the Rust server's knob): it multiplies the padding token's
+probability under softmax(logits / T) by exp(pad_mult) before top-k and the draw, which is the same as adding
+T * pad_mult to that token's logit first, and that is what both paths do. Greedy rows (T = 0) take the argmax of
+the unmodified logits, as the Rust server does, so pad_mult has no effect on them.
 """
 
 from __future__ import annotations
@@ -49,6 +54,22 @@ def uniform_noise(seeds: torch.Tensor, frames: torch.Tensor, stream: int, tokens
     return ((bits >> 9) * 2 + 1).float() * 2.0**-24
 
 
+def pad_bias(temperature: torch.Tensor, pad_mult: torch.Tensor) -> torch.Tensor:
+    """What a row adds to its padding logit: T * pad_mult, 0 for greedy rows (the Rust server's argmax ignores
+    pad_mult)."""
+    return torch.where(temperature > 0, temperature * pad_mult, 0.0)
+
+
+def pad_bias_reference(logits: torch.Tensor, temperature: torch.Tensor, pad_mult: torch.Tensor,
+                       pad_id: int) -> torch.Tensor:
+    """fp32 `logits` with T * pad_mult added at `pad_id` (softmax(x / T) there times exp(pad_mult)). A zero bias
+    leaves the logit untouched (not even -0.0 → +0.0), so pad_mult = 0 is bit-identical to no pad_mult."""
+    out = logits.to(torch.float32, copy=True)
+    add = pad_bias(temperature, pad_mult)
+    out[:, pad_id] = torch.where(add != 0, out[:, pad_id] + add, out[:, pad_id])
+    return out
+
+
 def sample_reference(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -56,10 +77,15 @@ def sample_reference(
     seeds: torch.Tensor,
     frames: torch.Tensor,
     stream: int,
+    pad_id: int = -1,
+    pad_mult: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row of `logits` [B, V]; per-row `temperature`, `top_k`, `seeds`, `frames` [B]."""
+    """Draw one token per row of `logits` [B, V]; per-row `temperature`, `top_k`, `seeds`, `frames` [B], and
+    optionally `pad_mult` [B] for token `pad_id`."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
+    if pad_mult is not None:
+        logits = pad_bias_reference(logits, temperature, pad_mult, pad_id)
     k_max = max(1, min(int(top_k.max()), logits.shape[-1]))
     values, indices = logits.topk(k_max, dim=-1)
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, frames, stream, indices)))
@@ -81,12 +107,16 @@ def _hash32(x):
 
 
 @triton.jit
-def _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V: tl.constexpr):
-    """Logits [BLOCK_B, BLOCK_V] in fp32 (-inf outside), their order-preserving uint32 keys (0 outside), mask."""
+def _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V: tl.constexpr,
+                HAS_PAD: tl.constexpr):
+    """Logits [BLOCK_B, BLOCK_V] in fp32 (-inf outside), their order-preserving uint32 keys (0 outside), mask;
+    with HAS_PAD, `pad_add` [BLOCK_B] added at column `pad_id` where it is not 0."""
     cols = v0 + tl.arange(0, BLOCK_V)
     mask = rmask[:, None] & (cols[None, :] < vocab)
     x = tl.load(logits_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=-float("inf"))
     x = x.to(tl.float32)
+    if HAS_PAD:
+        x = tl.where((cols == pad_id)[None, :] & (pad_add != 0)[:, None], x + pad_add[:, None], x)
     bits = x.to(tl.uint32, bitcast=True)
     key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     return x, tl.where(mask, key, 0), mask, cols
@@ -96,9 +126,9 @@ def _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V: tl.constexp
 # compile-time constant, and one compiled kernel serves every stream.
 @triton.jit(do_not_specialize=["stream"])
 def _sample_kernel(
-    logits_ptr, temp_ptr, topk_ptr, seed_ptr, frame_ptr, out_ptr,
-    n_rows, vocab, stride, stream,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr, temp_ptr, topk_ptr, seed_ptr, frame_ptr, pad_mult_ptr, out_ptr,
+    n_rows, vocab, stride, stream, pad_id,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PAD: tl.constexpr,
 ):
     """BLOCK_B rows per program. Greedy argmax; the k-th largest key by a radix select; ties at that threshold
     taken in token order; then a Gumbel-max race over the candidates."""
@@ -111,11 +141,17 @@ def _sample_kernel(
     seed = tl.load(seed_ptr + rows, mask=rmask, other=0).to(tl.uint32)
     frame = tl.load(frame_ptr + rows, mask=rmask, other=0).to(tl.uint32)
     row_key = _hash32(_hash32(_hash32(seed ^ 0x9E3779B9) ^ frame) ^ stream.to(tl.uint32))
+    no_pad = tl.zeros([BLOCK_B], tl.float32)
+    if HAS_PAD:
+        pad_mult = tl.load(pad_mult_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        pad_add = tl.where(temp > 0, temp * pad_mult, 0.0)
+    else:
+        pad_add = no_pad
 
     best = tl.full([BLOCK_B], -float("inf"), tl.float32)
     greedy = tl.zeros([BLOCK_B], tl.int32)
-    for v0 in range(0, vocab, BLOCK_V):
-        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V)
+    for v0 in range(0, vocab, BLOCK_V):  # greedy: the argmax of the logits as given (no pad bias)
+        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, no_pad, BLOCK_V, False)
         top = tl.max(x, axis=1)
         arg = tl.argmax(x, axis=1).to(tl.int32) + v0
         greedy = tl.where(top > best, arg, greedy)
@@ -129,13 +165,15 @@ def _sample_kernel(
         trials = thr[:, None] | (digits[None, :] << (28 - 4 * i))
         counts = tl.zeros([BLOCK_B, 16], tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
-            x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V)
+            x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V,
+                                             HAS_PAD)
             counts += tl.sum((key[:, None, :] >= trials[:, :, None]).to(tl.int32), axis=2)
         digit = tl.sum((counts >= k[:, None]).to(tl.int32), axis=1) - 1
         thr = thr | (digit.to(tl.uint32) << (28 - 4 * i))
     above = tl.zeros([BLOCK_B], tl.int32)
     for v0 in range(0, vocab, BLOCK_V):
-        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V)
+        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V,
+                                             HAS_PAD)
         above += tl.sum((key > thr[:, None]).to(tl.int32), axis=1)
     ties_wanted = k - above
 
@@ -144,7 +182,8 @@ def _sample_kernel(
     sampled = tl.zeros([BLOCK_B], tl.int32)
     ties_seen = tl.zeros([BLOCK_B], tl.int32)
     for v0 in range(0, vocab, BLOCK_V):
-        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, BLOCK_V)
+        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V,
+                                             HAS_PAD)
         tie = mask & (key == thr[:, None])
         tie_rank = tl.cumsum(tie.to(tl.int32), axis=1) + ties_seen[:, None]
         ties_seen += tl.sum(tie.to(tl.int32), axis=1)
@@ -167,6 +206,8 @@ def sample_triton(
     seeds: torch.Tensor,
     frames: torch.Tensor,
     stream: int,
+    pad_id: int = -1,
+    pad_mult: torch.Tensor | None = None,
     rows_per_program: int = 1,
     block_v: int | None = None,
 ) -> torch.Tensor:
@@ -176,9 +217,10 @@ def sample_triton(
     out = torch.empty(batch, dtype=torch.long, device=logits.device)
     block_v = block_v or min(triton.next_power_of_2(vocab), 1024)
     _sample_kernel[(triton.cdiv(batch, rows_per_program),)](
-        logits, temperature.contiguous(), top_k.contiguous(), seeds.contiguous(), frames.contiguous(), out,
-        batch, vocab, logits.stride(0), stream,
-        BLOCK_B=rows_per_program, BLOCK_V=block_v,
+        logits, temperature.contiguous(), top_k.contiguous(), seeds.contiguous(), frames.contiguous(),
+        temperature if pad_mult is None else pad_mult.contiguous(), out,  # (no pad: a pointer never read)
+        batch, vocab, logits.stride(0), stream, pad_id,
+        BLOCK_B=rows_per_program, BLOCK_V=block_v, HAS_PAD=pad_mult is not None,
     )
     return out
 
@@ -190,8 +232,11 @@ def sample(
     seeds: torch.Tensor,
     frames: torch.Tensor,
     stream: int,
+    pad_id: int = -1,
+    pad_mult: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row of `logits` [B, V] (int64 [B]); Triton on CUDA, the torch reference elsewhere."""
+    """One token per row of `logits` [B, V] (int64 [B]), with `pad_mult` [B] for token `pad_id` if given;
+    Triton on CUDA, the torch reference elsewhere."""
     if use_triton(logits):
-        return sample_triton(logits, temperature, top_k, seeds, frames, stream)
-    return sample_reference(logits, temperature, top_k, seeds, frames, stream)
+        return sample_triton(logits, temperature, top_k, seeds, frames, stream, pad_id, pad_mult)
+    return sample_reference(logits, temperature, top_k, seeds, frames, stream, pad_id, pad_mult)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from duplexd.engine.config import ConfigError, SamplingParams
+from duplexd.engine.config import SamplingParams
 from duplexd.engine.errors import CapacityError
 
 from .access import access_denied
 from .closing import Close, CloseCode
 from .context import ServerContext
 from .pump import Adapter, Pump, close_connection
+from .query import BadQuery
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ async def serve(ctx: ServerContext, adapter: Adapter, subprotocol: str | None,
             raise Close(CloseCode.POLICY_VIOLATION, *denied)
         try:
             params, max_frames = parameters()
-        except ConfigError as e:
+        except BadQuery as e:
             metrics.refused.labels("invalid_parameter").inc()
             raise Close(CloseCode.INVALID_PAYLOAD, "invalid_parameter", str(e)) from None
         try:

@@ -1,7 +1,8 @@
 """`WS /api/chat`: the Kyutai protocol, as the reference server and its web and Python clients speak it.
 
 Binary messages only: kind byte + payload. Audio is one continuous Ogg/Opus stream at 24 kHz per direction;
-text is the model's raw piece per non-padding step. Sampling comes from the Rust server's query parameters.
+text is the model's raw piece per non-padding step. Sampling (repetition penalty and pad_mult included) comes
+from the Rust server's query parameters.
 Order on the wire: metadata (0x04 JSON), handshake (0x00) once admitted, then audio (0x01) and text (0x02).
 Kinds a client may send besides audio (handshake, control, ping, ...) are accepted and ignored, as the
 reference does; an unknown kind byte, a text frame or undecodable Ogg/Opus ends the connection with an
@@ -19,12 +20,12 @@ from duplexd.engine.session import SessionOutput
 
 from . import protocol
 from .admission import serve
+from .build_info import BUILD_INFO
 from .closing import Close, CloseCode
 from .context import Context, ServerContext
 from .opus import AudioError, OpusDecoder, OpusEncoder
 from .pump import Adapter, Pump
-from .sampling import max_frames_from_query, sampling_from_query
-from .version import VERSION
+from .query import max_frames_from_query, sampling_from_query
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -77,10 +78,11 @@ def metadata(ctx: ServerContext, pump: Pump) -> dict:
     return {
         "text_temperature": params.text_temperature, "text_topk": params.text_topk,
         "audio_temperature": params.audio_temperature, "audio_topk": params.audio_topk,
-        "pad_mult": 0.0, "repetition_penalty_context": 0, "repetition_penalty": 1.0,
+        "pad_mult": params.pad_mult, "repetition_penalty_context": params.repetition_penalty_context,
+        "repetition_penalty": params.repetition_penalty,
         "lm_model_file": _name(info.lm_file), "mimi_model_file": _name(info.mimi_file),
         "model": info.id, "demo": info.demo,
-        "build_info": {"server": "duplexd", "version": VERSION},
+        "build_info": BUILD_INFO,
         "instance_name": ctx.settings.instance_name,
         "session_id": pump.session.id, "seed": params.seed, "max_steps": pump.session.max_frames,
     }

@@ -8,6 +8,7 @@ import torch
 from duplexd.engine.config import LMConfig, SamplingParams
 from duplexd.engine.demo import random_lm
 from duplexd.engine.lm_gen import UNGENERATED, LMGen
+from duplexd.kernels.sampling import sample
 
 CFG = LMConfig(dim=48, text_card=91, num_heads=3, num_layers=2, depformer_dim=32,
                depformer_dim_feedforward=132, depformer_num_heads=2, depformer_num_layers=2, context=12)
@@ -66,3 +67,56 @@ def test_bad_user_codes_shape(model):
     gen = LMGen(model, num_slots=2)
     with pytest.raises(ValueError, match="user_codes must be"):
         gen.step(torch.tensor([0, 1]), torch.zeros(2, 3, dtype=torch.long))
+
+
+def _text(gen: LMGen, slots: list[int], codes: torch.Tensor, frames: int) -> list[list[int]]:
+    """Each slot's non-special text tokens over `frames` steps, all slots stepped together."""
+    out: list[list[int]] = [[] for _ in slots]
+    for t in range(frames):
+        step = gen.step(torch.tensor(slots), codes[t].expand(len(slots), -1))
+        for i, token in enumerate(step.tokens[:, 0].tolist()):
+            if step.valid[i] and token not in CFG.silent_text_ids:
+                out[i].append(token)
+    return out
+
+
+def test_repetition_penalty_stops_repeats_within_its_context(model):
+    greedy = SamplingParams(text_temperature=0.0, text_topk=1, audio_temperature=0.0, audio_topk=1)
+    penalised = SamplingParams(**{**greedy.__dict__, "repetition_penalty": 1e6, "repetition_penalty_context": 6})
+    codes, frames = _codes(40, 5), 40
+
+    def repeats(tokens: list[int], context: int) -> int:
+        return sum(tokens[i] in tokens[max(0, i - context) : i] for i in range(len(tokens)))
+
+    gen = LMGen(model, num_slots=3)
+    gen.reset(0, greedy)
+    gen.reset(2, penalised)
+    plain, strict = _text(gen, [0, 2], codes, frames)
+    assert repeats(plain, 6) > 0 and repeats(strict, 6) == 0, (plain, strict)
+    assert len(strict) > 12
+
+    alone = LMGen(model, num_slots=1)  # rows of one batch stay independent
+    alone.reset(0, penalised)
+    assert _text(alone, [0], codes, frames)[0] == strict
+    alone.reset(0, greedy)
+    assert _text(alone, [0], codes, frames)[0] == plain
+
+
+class _NoPenalties(LMGen):
+    """Text sampling as it was before the repetition penalty and pad_mult."""
+
+    def sample_text(self, slots, logits, temperature, top_k, seeds, positions):
+        return sample(logits, temperature, top_k, seeds, positions, 0)
+
+
+def test_defaults_leave_tokens_unchanged(model):
+    """Penalty 1 and pad_mult 0 sample exactly the tokens of the penalty-free text sampling."""
+    codes = _codes(16, 6)
+    runs = []
+    for kind in (LMGen, _NoPenalties):
+        gen = kind(model, num_slots=2)
+        gen.reset(0, PARAMS)
+        gen.reset(1, SamplingParams(text_temperature=0.0, seed=3))
+        runs.append(torch.stack([gen.step(torch.tensor([0, 1]), codes[t].expand(2, -1)).tokens
+                                 for t in range(16)]))
+    assert torch.equal(*runs)

@@ -97,6 +97,10 @@ async def kyutai_open(server: Server, query: str = "", headers: dict | None = No
                          **kw)
 
 
+BUILD_INFO_KEYS = ("build_timestamp", "build_date", "git_branch", "git_timestamp", "git_date", "git_hash",
+                   "git_describe", "rustc_host_triple", "rustc_version", "cargo_target_triple")
+
+
 async def kyutai_greeting(ws) -> dict:
     meta = await ws.recv()
     assert meta[0] == 4, meta[:20]
@@ -209,11 +213,17 @@ def test_http_endpoints(server):
 
 def test_kyutai_round_trip(server):
     async def main():
-        query = "text_temperature=0.5&text_topk=10&audio_temperature=0.6&audio_topk=50&text_seed=7&pad_mult=0"
+        query = ("text_temperature=0.5&text_topk=10&audio_temperature=0.6&audio_topk=50&text_seed=7&pad_mult=0.5"
+                 "&repetition_penalty=1.3&repetition_penalty_context=32")
         async with await kyutai_open(server, query) as ws:
             info = await kyutai_greeting(ws)
             assert (info["text_temperature"], info["text_topk"], info["audio_temperature"], info["audio_topk"],
                     info["seed"]) == (0.5, 10, 0.6, 50, 7)
+            assert (info["pad_mult"], info["repetition_penalty"], info["repetition_penalty_context"]) == (0.5, 1.3, 32)
+            build = info["build_info"]  # what Kyutai's web client checks: the Rust server's ten strings
+            for key in BUILD_INFO_KEYS:
+                assert isinstance(build[key], str) and build[key], key
+            assert build["server"] == "duplexd" and build["rustc_version"].startswith("python ")
             pcm, texts, messages = await kyutai_exchange(ws, 12, pace=0.02)
             return pcm, texts, messages
 
@@ -249,7 +259,7 @@ def test_realtime_round_trip(server):
             assert created["type"] == "session.created"
             assert created["session"]["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
             sampling = {"text_temperature": 0.0, "text_topk": 1, "audio_temperature": 0.5, "audio_topk": 20,
-                        "seed": 3}
+                        "seed": 3, "repetition_penalty": 1.2, "repetition_penalty_context": 16, "pad_mult": 0.5}
             await ws.send(json.dumps({"type": "session.update", "session": {"sampling": sampling}}))
             updated = json.loads(await ws.recv())
             assert updated["type"] == "session.updated" and updated["session"]["sampling"] == sampling
@@ -269,6 +279,37 @@ def test_realtime_round_trip(server):
     assert len(pcm) == 9 * FRAME  # pcm16, 3840 bytes per frame
     assert [e["type"] for e in others] == ["response.created"]
     assert texts and late["type"] == "session.updated"
+
+
+def test_realtime_text_penalties_from_the_query_and_refused_values(server):
+    """The Kyutai query parameters set a Realtime session's penalties; a bad value in a `session.update` is a
+    non-fatal error naming the parameter, one in the query string refuses the connection (1007) the same way."""
+    async def main():
+        query = "repetition_penalty=1.5&repetition_penalty_context=8&pad_mult=-1&seed=9"
+        async with await realtime_open(server, query) as ws:
+            created = json.loads(await ws.recv())
+            bad = {"type": "session.update", "event_id": "u1", "session": {"sampling": {"pad_mult": "loud"}}}
+            await ws.send(json.dumps(bad))
+            error = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "session.update", "session": {"sampling": {"repetition_penalty": 1}}}))
+            updated = json.loads(await ws.recv())
+        async with await realtime_open(server, "repetition_penalty_context=1000") as ws:
+            code, received = await closed_with(ws)
+        return created, error, updated, code, json.loads(received[-1])
+
+    created, error, updated, code, refused = run(main())
+    assert created["session"]["sampling"]["seed"] == 9
+    assert {k: created["session"]["sampling"][k] for k in ("repetition_penalty", "repetition_penalty_context",
+                                                            "pad_mult")} == {
+        "repetition_penalty": 1.5, "repetition_penalty_context": 8, "pad_mult": -1.0}
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["code"] == "invalid_value" and error["error"]["param"] == "session.sampling.pad_mult"
+    assert error["error"]["event_id"] == "u1" and "pad_mult" in error["error"]["message"]
+    assert updated["type"] == "session.updated" and updated["session"]["sampling"]["repetition_penalty"] == 1.0
+    assert updated["session"]["sampling"]["pad_mult"] == -1.0  # the rest of the session's sampling is kept
+    assert code == 1007 and refused["error"]["type"] == "invalid_request_error"
+    assert refused["error"]["code"] == "invalid_parameter"
+    assert "repetition_penalty_context" in refused["error"]["message"]
 
 
 def test_four_concurrent_sessions_then_capacity_refusal(server):
@@ -323,6 +364,9 @@ BAD_INPUTS = [
     ("kyutai-oversize", "kyutai", AUTH, "", b"\x01" + bytes(MAX_MESSAGE + 10), 1009),
     ("kyutai-bad-query", "kyutai", AUTH, "text_temperature=hot", None, 1007),
     ("kyutai-negative-topk", "kyutai", AUTH, "audio_topk=0", None, 1007),
+    ("kyutai-zero-penalty", "kyutai", AUTH, "repetition_penalty=0", None, 1007),
+    ("kyutai-long-penalty-context", "kyutai", AUTH, "repetition_penalty_context=100000", None, 1007),
+    ("kyutai-bad-pad-mult", "kyutai", AUTH, "pad_mult=inf", None, 1007),
     ("kyutai-wrong-key", "kyutai", {"Authorization": "Bearer nope"}, "", None, 1008),
     ("kyutai-no-key", "kyutai", {}, "", None, 1008),
     ("kyutai-bad-origin", "kyutai", {**AUTH, "Origin": "http://evil.example"}, "", None, 1008),
@@ -331,6 +375,9 @@ BAD_INPUTS = [
     ("realtime-bad-base64", "realtime", AUTH, "", '{"type": "input_audio_buffer.append", "audio": "@@@"}', 1007),
     ("realtime-odd-pcm16", "realtime", AUTH, "", '{"type": "input_audio_buffer.append", "audio": "AAAA"}', 1007),
     ("realtime-unknown-event", "realtime", AUTH, "", '{"type": "dance.start"}', 1002),
+    ("realtime-zero-penalty", "realtime", AUTH, "repetition_penalty=0", None, 1007),
+    ("realtime-nan-pad-mult", "realtime", AUTH, "pad_mult=nan", None, 1007),
+    ("realtime-event-id-not-a-string", "realtime", AUTH, "", '{"type": "response.create", "event_id": 1}', 1007),
     ("realtime-binary-frame", "realtime", AUTH, "", b"\x01\x02", 1003),
     ("realtime-oversize", "realtime", AUTH, "", json.dumps({"type": "input_audio_buffer.append",
                                                             "audio": "A" * MAX_MESSAGE}), 1009),

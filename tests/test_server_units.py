@@ -14,15 +14,15 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 from starlette.websockets import WebSocketDisconnect
 
-from duplexd.engine.config import ConfigError, SamplingParams
+from duplexd.engine.config import SamplingParams
 from duplexd.engine.engine import EngineStats
 from duplexd.server import protocol
 from duplexd.server import realtime_events as ev
 from duplexd.server.access import access_denied, presented_key
 from duplexd.server.app import create_app
 from duplexd.server.closing import Close, CloseCode, close_for_session_end
+from duplexd.server.query import BadQuery, max_frames_from_query, sampling_from_query
 from duplexd.server.runtime import ModelInfo, Runtime
-from duplexd.server.sampling import max_frames_from_query, sampling_from_query
 from duplexd.server.settings import ServerSettings
 
 
@@ -41,18 +41,24 @@ def test_protocol_framing():
 
 def test_sampling_from_query_uses_the_rust_server_names():
     params = sampling_from_query({"text_temperature": "0.5", "text_topk": "10", "audio_temperature": "0",
-                                  "audio_topk": "5", "text_seed": "7", "pad_mult": "1.0", "email": "x"})
-    assert params == SamplingParams(0.5, 10, 0.0, 5, 7)
+                                  "audio_topk": "5", "text_seed": "7", "pad_mult": "1.5", "repetition_penalty": "1.2",
+                                  "repetition_penalty_context": "32", "email": "x"})
+    assert params == SamplingParams(0.5, 10, 0.0, 5, 7, repetition_penalty=1.2, repetition_penalty_context=32,
+                                    pad_mult=1.5)
     assert sampling_from_query({"audio_seed": "3", "text_seed": "7"}).seed == 3
     defaults = sampling_from_query({})
     assert (defaults.text_temperature, defaults.text_topk, defaults.audio_temperature, defaults.audio_topk) == (
         0.7, 25, 0.8, 250)
     assert len({sampling_from_query({}).seed for _ in range(3)}) > 1  # a fresh seed per session by default
-    for bad in ({"text_topk": "1.5"}, {"text_temperature": "nan"}, {"audio_topk": "0"}, {"seed": "x"}):
-        with pytest.raises(ConfigError):
+    assert (defaults.repetition_penalty, defaults.repetition_penalty_context, defaults.pad_mult) == (1.0, 64, 0.0)
+    for bad in ({"text_topk": "1.5"}, {"text_temperature": "nan"}, {"audio_topk": "0"}, {"seed": "x"},
+                {"repetition_penalty": "0"}, {"repetition_penalty": "-1"}, {"repetition_penalty": "inf"},
+                {"repetition_penalty_context": "-1"}, {"repetition_penalty_context": "257"},
+                {"repetition_penalty_context": "1.5"}, {"pad_mult": "inf"}, {"pad_mult": "nan"}):
+        with pytest.raises(BadQuery):
             sampling_from_query(bad)
     assert max_frames_from_query({"max_steps": "100"}) == 100 and max_frames_from_query({}) is None
-    with pytest.raises(ConfigError):
+    with pytest.raises(BadQuery):
         max_frames_from_query({"max_steps": "0"})
 
 
@@ -75,33 +81,81 @@ def test_settings_from_the_environment(monkeypatch):
         ServerSettings(ssl_certfile="cert.pem")  # a certificate without its key
 
 
+def _append(audio: str) -> ev.AudioAppend:
+    return ev.AudioAppend(type="input_audio_buffer.append", audio=audio)
+
+
+def _refused(text: str) -> Close | ev.RealtimeError:
+    with pytest.raises((Close, ev.RealtimeError)) as info:
+        ev.parse_event(text)
+    return info.value
+
+
 def test_realtime_audio_and_events():
     pcm = np.linspace(-1, 1, 1920, dtype=np.float32)
-    decoded = ev.decode_audio({"audio": ev.encode_audio(pcm)})
+    event = ev.parse_event(json.dumps({"type": "input_audio_buffer.append", "audio": ev.encode_audio(pcm)}))
+    decoded = ev.decode_audio(event)
     assert decoded.dtype == np.float32 and np.abs(decoded - pcm).max() < 1e-4
-    for bad, error in (({"audio": "!!"}, "invalid_base64"), ({"audio": base64.b64encode(b"abc").decode()},
-                                                              "invalid_audio"), ({}, "invalid_audio")):
+    for bad, error in (("!!", "invalid_base64"), (base64.b64encode(b"abc").decode(), "invalid_audio")):
         with pytest.raises(Close) as info:
-            ev.decode_audio(bad)
+            ev.decode_audio(_append(bad))
         assert info.value.code == CloseCode.INVALID_PAYLOAD and info.value.error == error
-    with pytest.raises(Close):
-        ev.parse_event("{")
-    with pytest.raises(Close):
-        ev.parse_event('{"no": "type"}')
-    params = ev.sampling_update({"session": {"sampling": {"audio_topk": 7}, "instructions": "ignored"}},
-                                SamplingParams(seed=1))
-    assert params == SamplingParams(audio_topk=7, seed=1)
-    for session, code in (({"sampling": {"audio_topk": 0}}, "invalid_value"), ({"sampling": {"pitch": 1}},
-                                                                                "invalid_value"),
-                          ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "unsupported_audio_format"),
-                          ({"input_audio_format": "g711_ulaw"}, "unsupported_audio_format")):
-        with pytest.raises(ev.RealtimeError) as info:
-            ev.sampling_update({"session": session}, SamplingParams())
-        assert info.value.code == code
+    for text, code, error in (("{", CloseCode.INVALID_PAYLOAD, "invalid_json"),
+                              ('{"no": "type"}', CloseCode.INVALID_PAYLOAD, "invalid_event"),
+                              ('{"type": 5}', CloseCode.INVALID_PAYLOAD, "invalid_event"),
+                              ("[1, 2]", CloseCode.INVALID_PAYLOAD, "invalid_event"),
+                              ('{"type": "response.create", "event_id": 3}', CloseCode.INVALID_PAYLOAD,
+                               "invalid_event"),
+                              ('{"type": "input_audio_buffer.append"}', CloseCode.INVALID_PAYLOAD, "invalid_audio"),
+                              ('{"type": "input_audio_buffer.append", "audio": 1}', CloseCode.INVALID_PAYLOAD,
+                               "invalid_audio"),
+                              ('{"type": "dance.start"}', CloseCode.PROTOCOL_ERROR, "unknown_event")):
+        refusal = _refused(text)
+        assert isinstance(refusal, Close) and (refusal.code, refusal.error) == (code, error), text
+    turn = ev.parse_event('{"type": "response.create", "event_id": "e1", "response": {}}')
+    assert isinstance(turn, ev.TurnEvent) and turn.event_id == "e1"
+    assert {type(ev.parse_event(json.dumps({"type": t}))) for t in ev.UNSUPPORTED} == {ev.TurnEvent}
+    update = ev.parse_event(json.dumps({"type": "session.update", "session": {"sampling": {"audio_topk": 7},
+                                                                              "instructions": "ignored"}}))
+    assert isinstance(update, ev.SessionUpdate)
+    assert update.sampling(SamplingParams(seed=1)) == SamplingParams(audio_topk=7, seed=1)
+    for session, code, param in (
+            ({"sampling": {"audio_topk": 0}}, "invalid_value", "session.sampling.audio_topk"),
+            ({"sampling": {"pitch": 1}}, "invalid_value", "session.sampling.pitch"),
+            ({"sampling": 7}, "invalid_value", "session.sampling"),
+            ("nope", "invalid_value", "session"),
+            ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "unsupported_audio_format",
+             "session.audio.input.format"),
+            ({"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "unsupported_audio_format",
+             "session.audio.output.format"),
+            ({"input_audio_format": "g711_ulaw"}, "unsupported_audio_format", "session.input_audio_format")):
+        refusal = _refused(json.dumps({"type": "session.update", "event_id": "u1", "session": session}))
+        assert isinstance(refusal, ev.RealtimeError), session
+        assert (refusal.code, refusal.param, refusal.event_id) == (code, param, "u1")
     delta = json.loads(ev.audio_delta("r", "i", pcm))
     assert delta["type"] == "response.output_audio.delta" and len(base64.b64decode(delta["delta"])) == 3840
     error = json.loads(ev.error_event("capacity", "full", kind="server_error"))
     assert error["type"] == "error" and error["error"]["code"] == "capacity" and error["event_id"]
+
+
+def test_realtime_text_penalties_in_session_update_query_and_session_object():
+    knobs = {"repetition_penalty": 1.3, "repetition_penalty_context": 32, "pad_mult": -0.5}
+    update = ev.parse_event(json.dumps({"type": "session.update", "session": {"sampling": knobs}}))
+    assert isinstance(update, ev.SessionUpdate)
+    params = update.sampling(SamplingParams(seed=2))
+    assert params == SamplingParams(seed=2, **knobs)
+    assert sampling_from_query({k: str(v) for k, v in knobs.items()}, SamplingParams(seed=2)) == params
+    echoed = ev.session_object("sess", "model", params, 60.0)["sampling"]
+    assert {k: echoed[k] for k in knobs} == knobs
+    for bad in ({"repetition_penalty": 0}, {"repetition_penalty": -1.0}, {"repetition_penalty": "1e999"},
+                {"repetition_penalty_context": -1}, {"repetition_penalty_context": 257},
+                {"repetition_penalty_context": 1.5}, {"pad_mult": "NaN"}, {"pad_mult": "fast"}):
+        refusal = _refused(json.dumps({"type": "session.update", "session": {"sampling": bad}}))
+        name = next(iter(bad))
+        assert isinstance(refusal, ev.RealtimeError) and refusal.code == "invalid_value", bad
+        assert refusal.param == f"session.sampling.{name}" and name in refusal.message
+        with pytest.raises(BadQuery, match=name):
+            sampling_from_query({name: str(bad[name])})
 
 
 def test_close_reasons():
@@ -247,7 +301,7 @@ def test_realtime_pcm16_and_audio_delta_template():
     assert base64.b64decode(ev.encode_audio(pcm)) == reference
     assert ev.pcm16_bytes(pcm).dtype == np.dtype("<i2")
     raw = base64.b64encode(np.int16([-32768, -1, 0, 1, 32767]).astype("<i2").tobytes()).decode()
-    assert ev.decode_audio({"audio": raw}).tolist() == [-1.0, -1 / 32768, 0.0, 1 / 32768, 32767 / 32768]
+    assert ev.decode_audio(_append(raw)).tolist() == [-1.0, -1 / 32768, 0.0, 1 / 32768, 32767 / 32768]
     deltas = ev.AudioDeltas('resp_"quoted"', "item\\1")
     first, second = json.loads(deltas(pcm)), json.loads(deltas(pcm[:960]))
     assert first == {"type": "response.output_audio.delta", "event_id": first["event_id"],

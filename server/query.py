@@ -1,4 +1,4 @@
-"""Sampling settings from a query string, with the Rust server's parameter names."""
+"""Session settings from a connection's query string, with the Rust server's parameter names."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ from collections.abc import Mapping
 
 from duplexd.engine.config import ConfigError, SamplingParams
 
-FLOATS = ("text_temperature", "audio_temperature")
-INTS = ("text_topk", "audio_topk")
+FLOATS = ("text_temperature", "audio_temperature", "repetition_penalty", "pad_mult")
+INTS = ("text_topk", "audio_topk", "repetition_penalty_context")
 SEEDS = ("seed", "audio_seed", "text_seed")  # the engine has one seed per session: the first one given wins
+
+
+class BadQuery(ValueError):
+    """A client's query parameter that duplexd cannot use; the message names it (refused with 1007)."""
 
 
 def new_seed() -> int:
@@ -19,9 +23,8 @@ def new_seed() -> int:
 
 
 def sampling_from_query(query: Mapping[str, str], base: SamplingParams | None = None) -> SamplingParams:
-    """`SamplingParams` from `text_temperature`, `text_topk`, `audio_temperature`, `audio_topk` and a seed;
-    unknown parameters (e.g. the web client's `pad_mult`, `repetition_penalty`) are ignored. Raises
-    `ConfigError` naming the bad parameter."""
+    """`SamplingParams` from the Rust server's sampling parameters (temperatures, top-k, repetition penalty,
+    pad_mult) and a seed; other parameters are ignored. Raises `BadQuery` naming the bad parameter."""
     base = base or SamplingParams(seed=new_seed())
     values: dict[str, float | int] = {}
     for name in FLOATS + INTS:
@@ -31,7 +34,10 @@ def sampling_from_query(query: Mapping[str, str], base: SamplingParams | None = 
         if name in query:
             values["seed"] = _number(name, query[name], int) % 2**63
             break
-    return dataclasses.replace(base, **values)
+    try:
+        return dataclasses.replace(base, **values)
+    except ConfigError as e:  # the engine's rules, said to the client in terms of its own parameters
+        raise BadQuery(f"bad query parameter: {e}") from None
 
 
 def max_frames_from_query(query: Mapping[str, str]) -> int | None:
@@ -40,7 +46,7 @@ def max_frames_from_query(query: Mapping[str, str]) -> int | None:
         return None
     steps = _number("max_steps", query["max_steps"], int)
     if steps < 1:
-        raise ConfigError("max_steps must be >= 1")
+        raise BadQuery("max_steps must be >= 1")
     return steps
 
 
@@ -48,7 +54,7 @@ def _number(name: str, text: str, kind: type) -> float | int:
     try:
         value = kind(text)
     except (TypeError, ValueError):
-        raise ConfigError(f"query parameter {name}={text!r} is not a valid {kind.__name__}") from None
+        raise BadQuery(f"query parameter {name}={text!r} is not a valid {kind.__name__}") from None
     if kind is float and value != value:  # NaN
-        raise ConfigError(f"query parameter {name} must be a number")
+        raise BadQuery(f"query parameter {name} must be a number")
     return value
