@@ -28,12 +28,16 @@ def health(ctx: Context) -> JSONResponse:
 
 @router.get("/ready")
 def ready(ctx: Context) -> JSONResponse:
-    """Ready: warm, and at least one more session can be admitted now (else 503, so balancers look elsewhere)."""
-    runtime = ctx.runtime
+    """Ready: warm, not draining, and at least one more session can be admitted now (else 503, so balancers look
+    elsewhere)."""
+    runtime, draining = ctx.runtime, ctx.drain.draining
     admissible = runtime.admissible()
-    body = {"ready": runtime.ready and admissible > 0, "warm": runtime.ready, "admissible_sessions": admissible,
-            "capacity": runtime.capacity()}
-    if not runtime.ready:
+    body = {"ready": runtime.ready and admissible > 0 and not draining, "warm": runtime.ready,
+            "admissible_sessions": admissible, "capacity": runtime.capacity(), "draining": draining,
+            "open_sessions": ctx.drain.open_sessions}
+    if draining:
+        body["reason"] = "draining"
+    elif not runtime.ready:
         body["reason"] = runtime.failed or "warming up"
     elif admissible == 0:
         body["reason"] = "at capacity"
