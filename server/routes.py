@@ -32,16 +32,17 @@ def ready(ctx: Context) -> JSONResponse:
     elsewhere)."""
     runtime, draining = ctx.runtime, ctx.drain.draining
     admissible = runtime.admissible()
-    body = {"ready": runtime.ready and admissible > 0 and not draining, "warm": runtime.ready,
-            "admissible_sessions": admissible, "capacity": runtime.capacity(), "draining": draining,
-            "open_sessions": ctx.drain.open_sessions}
+    ready = runtime.ready and admissible > 0 and not draining
+    body: dict[str, object] = {"ready": ready, "warm": runtime.ready, "admissible_sessions": admissible,
+                               "capacity": runtime.capacity(), "draining": draining,
+                               "open_sessions": ctx.drain.open_sessions}
     if draining:
         body["reason"] = "draining"
     elif not runtime.ready:
         body["reason"] = runtime.failed or "warming up"
     elif admissible == 0:
         body["reason"] = "at capacity"
-    return JSONResponse(body, status_code=200 if body["ready"] else 503)
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics")
