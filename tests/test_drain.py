@@ -46,6 +46,8 @@ async def scenario(server) -> None:
         await asyncio.sleep(0.05)
     assert ready.status_code == 503 and ready.json()["reason"] == "draining" and ready.json()["open_sessions"] == 1
     assert (await asyncio.to_thread(httpx2.get, f"{server.url}/health", timeout=5)).status_code == 200
+    metrics = (await asyncio.to_thread(httpx2.get, f"{server.url}/metrics", timeout=5)).text
+    assert "\nduplexd_draining 1.0\n" in metrics
 
     refused, error = await open_session(url)  # refused: error event, then 1013
     assert error["type"] == "error" and error["error"]["code"] == "server_draining", error
