@@ -101,6 +101,7 @@ class DrainingServer(uvicorn.Server):
         self._signals += 1
         name = signal.Signals(sig).name
         if self._signals == 1 and self._loop is not None:
+            self.drain.draining = True  # now, not when the loop gets to the drain: /ready must not lag the signal
             logger.info("%s: draining for up to %g s (signal again to stop sooner)", name, self.drain_timeout)
             self._loop.call_soon_threadsafe(self._start_drain)
         elif self._signals == 2 and self._loop is not None:

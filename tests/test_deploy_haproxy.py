@@ -170,8 +170,9 @@ async def scenario(tmp: Path, a: LiveServer, b: LiveServer) -> None:
         await asyncio.sleep(1.0)  # a second of conversation on A
         sent_before = [t.sent for t in on_a]
         a.proc.send_signal(signal.SIGTERM)
+        await wait_for(lambda: httpx2.get(f"{a.url}/ready", timeout=5).json()["draining"], "A draining", 5)
         ready = await asyncio.to_thread(lambda: httpx2.get(f"{a.url}/ready", timeout=5))
-        assert ready.status_code == 503 and ready.json()["draining"] is True, ready.text
+        assert ready.status_code == 503 and ready.json()["reason"] == "draining", ready.text
         await wait_for(lambda: backend_status(stats)["replica1"] == "DOWN", "A down (draining)")
         late = await Talker(front).open()  # goes to B, the only replica up
         assert await asyncio.to_thread(lambda: (active(a), active(b))) == (2, 2)
