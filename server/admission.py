@@ -1,7 +1,7 @@
 """The steps every WebSocket goes through before its session starts: access, parameters, a slot.
 
 The upgrade is accepted first so that every refusal reaches the client as a protocol error message plus a close
-code (1008 access, 1007 bad parameters, 1013 no capacity), never as a silent HTTP 403 or a hang.
+code (1008 access, 1007 bad parameters, 1013 no capacity or draining), never as a silent HTTP 403 or a hang.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ async def serve(ctx: ServerContext, adapter: Adapter, subprotocol: str | None,
         except BadQuery as e:
             metrics.refused.labels("invalid_parameter").inc()
             raise Close(CloseCode.INVALID_PAYLOAD, "invalid_parameter", str(e)) from None
+        if ctx.drain.draining:
+            metrics.refused.labels("draining").inc()
+            raise Close(CloseCode.TRY_AGAIN_LATER, "server_draining",
+                        "server draining (shutting down): reconnect to another replica")
         try:
             session = ctx.runtime.open_session(params, max_frames)
         except CapacityError as e:
@@ -49,13 +53,17 @@ async def serve(ctx: ServerContext, adapter: Adapter, subprotocol: str | None,
     metrics.sessions.labels(adapter.name).inc()
     logger.info("%s session %s admitted (slot %d, seed %d)", adapter.name, session.id, session.slot, params.seed)
     pump = Pump(adapter, session, ctx.limits, metrics)
+    ctx.drain.add(pump)
     try:
-        await admitted(pump)
-    except BaseException as e:  # the client went away during the greeting, or the server is stopping
-        pump.session.close("client")
-        metrics.closed.labels("lost").inc()
-        if not isinstance(e, Exception):
-            raise
-        return
-    end = await pump.run()
+        try:
+            await admitted(pump)
+        except BaseException as e:  # the client went away during the greeting, or the server is stopping
+            pump.session.close("client")
+            metrics.closed.labels("lost").inc()
+            if not isinstance(e, Exception):
+                raise
+            return
+        end = await pump.run()
+    finally:
+        ctx.drain.discard(pump)
     logger.info("%s session %s ended: %s", adapter.name, pump.session.id, end.error if isinstance(end, Close) else end)

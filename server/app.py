@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from . import kyutai, realtime, routes
 from .context import ServerContext
+from .drain import Drain
 from .metrics import Metrics
 from .runtime import Runtime
 from .settings import ServerSettings
@@ -33,7 +34,8 @@ async def _warm_up(runtime: Runtime) -> None:
 
 def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     """An app serving `runtime` (built, not started: the app starts and stops it)."""
-    metrics = Metrics(runtime)
+    drain = Drain()
+    metrics = Metrics(runtime, lambda: drain.draining)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -48,7 +50,7 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
             unsubscribe()
 
     app = FastAPI(title="duplexd", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.context = ServerContext(settings, runtime, metrics)
+    app.state.context = ServerContext(settings, runtime, metrics, drain)
     app.include_router(routes.router)
     app.include_router(kyutai.router)
     app.include_router(realtime.router)

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from duplexd.engine.errors import InputRefused
 
     from .app import create_app
+    from .drain import DrainingServer
     from .preflight import preflight, refused
     from .runtime import load_runtime
 
@@ -131,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         )
         logger.info("listening on %s (Kyutai: %s/api/chat, Realtime: %s/v1/realtime); warming up", url,
                     url.replace("http", "ws", 1), url.replace("http", "ws", 1))
-        uvicorn.Server(config).run(sockets=[sock])
+        # returns after the drain
+        DrainingServer(config, app.state.context.drain, settings.drain_timeout).run(sockets=[sock])
     finally:
         sock.close()
     return 0

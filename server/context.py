@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
+from .drain import Drain
 from .metrics import Metrics
 from .pump import Limits
 from .runtime import Runtime
@@ -19,6 +20,7 @@ class ServerContext:
     settings: ServerSettings
     runtime: Runtime
     metrics: Metrics
+    drain: Drain = field(default_factory=Drain)
 
     @property
     def limits(self) -> Limits:

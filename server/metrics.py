@@ -25,8 +25,8 @@ LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5
 class _EngineCollector(Collector):
     """Gauges and engine-wide counters, read from the engines when Prometheus scrapes."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+    def __init__(self, runtime: Runtime, draining: Callable[[], bool]) -> None:
+        self.runtime, self.draining = runtime, draining
 
     def collect(self) -> Iterable:
         stats = self.runtime.stats()
@@ -37,6 +37,7 @@ class _EngineCollector(Collector):
             "duplexd_kv_pages_used": ("KV cache pages in use", sum(s.kv_pages_used for s in stats)),
             "duplexd_kv_pages_total": ("KV cache pages", sum(s.kv_pages_total for s in stats)),
             "duplexd_ready": ("1 once every engine is warm", int(self.runtime.ready)),
+            "duplexd_draining": ("1 from SIGTERM/SIGINT until exit: new sessions refused", int(self.draining())),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -50,9 +51,9 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, draining: Callable[[], bool] = lambda: False) -> None:
         self.registry = registry = CollectorRegistry()
-        registry.register(_EngineCollector(runtime))
+        registry.register(_EngineCollector(runtime, draining))
         self.sessions = Counter("duplexd_sessions", "sessions admitted", ["protocol"], registry=registry)
         self.refused = Counter("duplexd_sessions_refused", "sessions refused", ["reason"], registry=registry)
         self.closed = Counter("duplexd_sessions_closed", "sessions ended", ["reason"], registry=registry)

@@ -103,6 +103,8 @@ class Pump:
         # (None: no send in progress). One timer per session instead of two per frame (wait_for makes a task).
         self._last_message = self.started
         self._sending_since: float | None = None
+        self._ended = asyncio.Event()  # set by `end`: the server ends this session (drain timeout)
+        self._end_close: Close | None = None
 
     # ------------------------------------------------------------------------------------------- the tasks
 
@@ -160,11 +162,22 @@ class Pump:
             # A send that starts after now cannot time out before now + send_timeout.
             await asyncio.sleep(min(idle_at, (now if sending is None else sending) + limits.send_timeout) - now)
 
+    def end(self, close: Close) -> None:
+        """End the session from outside (the drain timed out): the client gets `close`."""
+        self._end_close = close
+        self._ended.set()
+
+    async def _until_ended(self) -> None:
+        await self._ended.wait()
+        assert self._end_close is not None
+        raise self._end_close
+
     async def run(self) -> Close | Disconnected:
         """Pump until the session ends; returns the close sent to the client, or how it disconnected."""
         self._last_message = time.monotonic()  # the idle clock starts with the conversation, after the greeting
         tasks = [asyncio.create_task(self._read(), name="ws-read"), asyncio.create_task(self._write(), name="ws-write"),
-                 asyncio.create_task(self._watch(), name="ws-watch")]
+                 asyncio.create_task(self._watch(), name="ws-watch"),
+                 asyncio.create_task(self._until_ended(), name="ws-end")]
         try:
             remaining = self.limits.max_session_seconds - (time.monotonic() - self.started)
             done, _ = await asyncio.wait(tasks, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)

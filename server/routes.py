@@ -28,16 +28,21 @@ def health(ctx: Context) -> JSONResponse:
 
 @router.get("/ready")
 def ready(ctx: Context) -> JSONResponse:
-    """Ready: warm, and at least one more session can be admitted now (else 503, so balancers look elsewhere)."""
-    runtime = ctx.runtime
+    """Ready: warm, not draining, and at least one more session can be admitted now (else 503, so balancers look
+    elsewhere)."""
+    runtime, draining = ctx.runtime, ctx.drain.draining
     admissible = runtime.admissible()
-    body = {"ready": runtime.ready and admissible > 0, "warm": runtime.ready, "admissible_sessions": admissible,
-            "capacity": runtime.capacity()}
-    if not runtime.ready:
+    ready = runtime.ready and admissible > 0 and not draining
+    body: dict[str, object] = {"ready": ready, "warm": runtime.ready, "admissible_sessions": admissible,
+                               "capacity": runtime.capacity(), "draining": draining,
+                               "open_sessions": ctx.drain.open_sessions}
+    if draining:
+        body["reason"] = "draining"
+    elif not runtime.ready:
         body["reason"] = runtime.failed or "warming up"
     elif admissible == 0:
         body["reason"] = "at capacity"
-    return JSONResponse(body, status_code=200 if body["ready"] else 503)
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics")

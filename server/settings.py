@@ -76,6 +76,8 @@ class ServerSettings(BaseSettings):
                                       metavar="SIZE", ge=1024)
     ws_ping_interval: float = opt(10.0, "keep-alive ping interval in seconds", _CAP, gt=0)
     ws_ping_timeout: float = opt(20.0, "close when a ping is unanswered this many seconds", _CAP, gt=0)
+    drain_timeout: float = opt(30.0, "on SIGTERM/SIGINT, seconds open sessions may go on before they are closed",
+                               _CAP, ge=0)
     late_frame_seconds: float = opt(0.08, "input-to-output delay beyond which an output frame counts as late", _CAP,
                                     gt=0)
     api_key: str | None = opt(None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS,

@@ -230,7 +230,8 @@ def test_ready_only_once_warm():
             if client.get("/ready").status_code == 200:
                 break
             threading.Event().wait(0.01)
-        assert client.get("/ready").json() == {"ready": True, "warm": True, "admissible_sessions": 2, "capacity": 2}
+        assert client.get("/ready").json() == {"ready": True, "warm": True, "admissible_sessions": 2, "capacity": 2,
+                                               "draining": False, "open_sessions": 0}
         assert client.get("/v1/models").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "m"
 
