@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -54,6 +54,8 @@ class Metrics:
     def __init__(self, runtime: Runtime, draining: Callable[[], bool] = lambda: False) -> None:
         self.registry = registry = CollectorRegistry()
         registry.register(_EngineCollector(runtime, draining))
+        # process_resident_memory_bytes, CPU seconds, open fds (Linux): what a soak run watches for leaks
+        ProcessCollector(registry=registry)
         self.sessions = Counter("duplexd_sessions", "sessions admitted", ["protocol"], registry=registry)
         self.refused = Counter("duplexd_sessions_refused", "sessions refused", ["reason"], registry=registry)
         self.closed = Counter("duplexd_sessions_closed", "sessions ended", ["reason"], registry=registry)

@@ -205,7 +205,7 @@ def test_http_endpoints(server):
     for name in ("duplexd_sessions_active", "duplexd_sessions_capacity 4.0", "duplexd_sessions_refused_total",
                  "duplexd_step_duration_seconds_bucket", "duplexd_step_batch_size_bucket", "duplexd_frames_in_total",
                  "duplexd_frames_out_total", "duplexd_frames_late_total", "duplexd_frames_dropped_total",
-                 "duplexd_kv_pages_used", "duplexd_frame_latency_seconds_bucket"):
+                 "duplexd_kv_pages_used", "duplexd_frame_latency_seconds_bucket", "process_resident_memory_bytes"):
         assert name in text, name
     log = server.log.read_text()
     lines = log.splitlines()  # what is served is said before the port is announced (a cold cache writes the demo first)
