@@ -7,28 +7,25 @@ import json
 import logging
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import soxr
 import torch
 
+from duplexd.clients.audio import InputError as InputError  # the CLI reports it
+from duplexd.clients.audio import read_audio
 from duplexd.engine.checkpoint import MIMI_NAME, MOSHI_NAME, load_lm, load_mimi
 from duplexd.engine.config import MIMI_PRESETS, ConfigError, SamplingParams
 from duplexd.engine.demo import ensure_demo
 from duplexd.engine.hub import resolve_file
 from duplexd.engine.pipeline import Pipeline
 from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.wire import split_frames
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_NAME = "tokenizer_spm_32k_3.model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class InputError(ValueError):
-    """The input audio cannot be used; the message says why."""
 
 
 @dataclass
@@ -38,23 +35,6 @@ class ModelFiles:
     tokenizer: str
     config: str | None
     mimi_preset: str
-
-
-def read_audio(path: str | Path, sample_rate: int, min_samples: int) -> np.ndarray:
-    """Any file soundfile reads, down-mixed to mono and resampled to `sample_rate` (float32)."""
-    try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, OSError) as e:
-        raise InputError(f"cannot read audio from {path}: {e}") from None
-    if data.size == 0:
-        raise InputError(f"{path} contains no audio")
-    mono = data.mean(axis=1)
-    if rate != sample_rate:
-        mono = soxr.resample(mono, rate, sample_rate).astype(np.float32)
-    if len(mono) < min_samples:
-        raise InputError(f"{path} is too short: {len(mono) / sample_rate * 1000:.0f} ms, "
-                         f"at least {min_samples / sample_rate * 1000:.0f} ms (one frame) is needed")
-    return mono
 
 
 def model_files(args: argparse.Namespace) -> ModelFiles:
@@ -87,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     frame = pipeline.frame_size
     pcm = read_audio(args.input, mimi.cfg.sample_rate, min_samples=frame)
-    pcm = np.pad(pcm, (0, -len(pcm) % frame))  # the last partial frame is zero-padded, not dropped
-    frames = pcm.reshape(-1, frame)
+    frames = split_frames(pcm, frame)  # the last partial frame is zero-padded, not dropped
     silent = {lm.cfg.text_padding_token_id, lm.cfg.end_of_text_padding_id}
     speech = []
     tokens_out = open(args.tokens_out, "w") if args.tokens_out else None  # noqa: SIM115

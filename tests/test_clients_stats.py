@@ -18,8 +18,8 @@ from duplexd.clients.loadtest import LoadTestConfig, input_frames
 from duplexd.clients.loadtest_cli import session_counts
 from duplexd.clients.pacing import Pacer
 from duplexd.clients.plot import plot
-from duplexd.clients.realtime import decode_pcm16, encode_pcm16
 from duplexd.clients.stats import SessionTrace, StatsConfig, late_flags, overall, session_stats, timeline, underruns
+from duplexd.wire import FRAME_SIZE, pcm16_base64, pcm_from_base64, split_frames
 
 T = 0.08
 
@@ -147,16 +147,18 @@ def test_pacer_paces_in_real_time():
 def test_audio_helpers(tmp_path):
     pcm = audio.speech_like(2.0, seed=1)
     assert pcm.dtype == np.float32 and len(pcm) == 48000 and np.abs(pcm).max() <= 1
-    levels = [audio.level_db(f) for f in audio.frames(pcm)]
+    levels = [audio.level_db(f) for f in split_frames(pcm)]
     assert max(levels) > -30 and min(levels) < -45  # voiced syllables and pauses
-    chunks = audio.frames(np.ones(2000, np.float32))
-    assert len(chunks) == 2 and chunks[1][79] == 1 and chunks[1][80] == 0
     stereo = np.stack([pcm[:16000], pcm[:16000]], axis=1)
     import soundfile as sf
 
     sf.write(tmp_path / "s.wav", stereo, 16000)
     back = audio.read_audio(str(tmp_path / "s.wav"))
     assert abs(len(back) - 24000) <= 2
+    with pytest.raises(audio.InputError, match="too short"):
+        audio.read_audio(tmp_path / "s.wav", min_samples=48000)
+    with pytest.raises(audio.InputError, match="cannot read audio"):
+        audio.read_audio(tmp_path / "missing.wav")
     config = LoadTestConfig(duration=1.0, input=str(tmp_path / "s.wav"))
     frames = input_frames(config)
     assert len(frames) == config.frames == 12 and all(len(f) == 1920 for f in frames)
@@ -168,9 +170,18 @@ def test_endpoints_and_pcm16():
     assert endpoint(ConnectOptions(url="https://h/v1/realtime?x=1")) == "wss://h/v1/realtime?x=1"
     assert endpoint(ConnectOptions(url="127.0.0.1:8998")) == "ws://127.0.0.1:8998/v1/realtime"
     x = np.linspace(-1, 1, 1920, dtype=np.float32)
-    assert np.abs(decode_pcm16(encode_pcm16(x)) - x).max() < 1e-4
+    assert np.abs(pcm_from_base64(pcm16_base64(x)) - x).max() < 1e-4
     with pytest.raises(ValueError):
-        decode_pcm16("not base64!")
+        pcm_from_base64("not base64!")
     with pytest.raises(ValueError):
-        decode_pcm16("AAAA")  # three bytes: not pcm16
+        pcm_from_base64("AAAA")  # three bytes: not pcm16
     assert session_counts("1,2, 4") == [1, 2, 4]
+
+
+def test_split_frames_pads_the_last_frame():
+    assert FRAME_SIZE == 1920
+    chunks = split_frames(np.ones(2000, np.float32))
+    assert chunks.shape == (2, 1920) and chunks.dtype == np.float32 and chunks[1][79] == 1 and chunks[1][80] == 0
+    assert split_frames(np.zeros(0, np.float32)).shape == (1, 1920)  # at least one frame
+    batch = split_frames(np.ones((3, 20), np.float32), 8)  # a leading batch axis is kept
+    assert batch.shape == (3, 3, 8) and batch[:, 2, 3].tolist() == [1, 1, 1] and batch[:, 2, 4].tolist() == [0, 0, 0]
