@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -185,3 +188,32 @@ def test_split_frames_pads_the_last_frame():
     assert split_frames(np.zeros(0, np.float32)).shape == (1, 1920)  # at least one frame
     batch = split_frames(np.ones((3, 20), np.float32), 8)  # a leading batch axis is kept
     assert batch.shape == (3, 3, 8) and batch[:, 2, 3].tolist() == [1, 1, 1] and batch[:, 2, 4].tolist() == [0, 0, 0]
+
+
+# A Python without matplotlib (`sys.modules[name] = None` makes every import of it fail), running `duplexd loadtest`
+# with the arguments given against an address where a socket listens but nothing answers.
+WITHOUT_MATPLOTLIB = """
+import argparse, sys
+sys.modules["matplotlib"] = None
+from duplexd.clients import loadtest_cli
+parser = argparse.ArgumentParser()
+loadtest_cli.add_parser(parser.add_subparsers())
+args = parser.parse_args(sys.argv[1:])
+assert loadtest_cli.plot_path(None) is None  # the default plot is skipped, not required
+sys.exit(args.func(args))
+"""
+
+
+def test_loadtest_plot_without_matplotlib_fails_at_start(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"ws://127.0.0.1:{server.getsockname()[1]}"
+        run = subprocess.run([sys.executable, "-c", WITHOUT_MATPLOTLIB, "loadtest", "--url", url, "--quiet",
+                              "--duration", "0.2", "--json", "", "--plot", str(tmp_path / "lt.png")],
+                             capture_output=True, text=True, timeout=120)
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected: the run stopped before its first session
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [f"duplexd loadtest: --plot {tmp_path / 'lt.png'}: plotting needs matplotlib: "
+                                       "pip install 'duplexd[plot]'"]
+    assert not (tmp_path / "lt.png").exists()
