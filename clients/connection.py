@@ -160,9 +160,15 @@ class Connection(ABC):
     def subprotocols(self) -> list | None:
         return None
 
-    @abstractmethod
     async def handshake(self) -> None:
-        """Read until the server says the session is admitted; raise `Refused` if it says no."""
+        """Read until the server says the session is admitted; `Refused` if it says no."""
+        assert self.ws is not None
+        while not await self.greeting(await self.ws.recv()):
+            pass
+
+    @abstractmethod
+    async def greeting(self, message: str | bytes) -> bool:
+        """Take in one message of the handshake: True once admitted; `refuse` on an error."""
 
     @abstractmethod
     def parse(self, message: str | bytes) -> list[Event]:

@@ -26,19 +26,15 @@ class KyutaiConnection(Connection):
         self._writer = sphn.OpusStreamWriter(SAMPLE_RATE)
         self._reader = sphn.OpusStreamReader(SAMPLE_RATE)
 
-    async def handshake(self) -> None:
-        assert self.ws is not None
-        while True:
-            data = await self.ws.recv()
-            if isinstance(data, str):
-                continue
-            msg = decode(data)
-            if msg.kind == Kind.HANDSHAKE:
-                return
-            if msg.kind == Kind.METADATA:
-                self.info = json.loads(msg.payload.decode("utf-8"))
-            elif msg.kind == Kind.ERROR:
-                await self.refuse(msg.payload.decode("utf-8", "replace"))
+    async def greeting(self, message: str | bytes) -> bool:
+        if isinstance(message, str):
+            return False
+        msg = decode(message)
+        if msg.kind == Kind.METADATA:
+            self.info = json.loads(msg.payload.decode("utf-8"))
+        elif msg.kind == Kind.ERROR:
+            await self.refuse(msg.payload.decode("utf-8", "replace"))
+        return msg.kind == Kind.HANDSHAKE
 
     def parse(self, message: str | bytes) -> list[Event]:
         if isinstance(message, str):

@@ -32,18 +32,16 @@ class RealtimeConnection(Connection):
     def subprotocols(self) -> list:
         return ["realtime"]
 
-    async def handshake(self) -> None:
-        assert self.ws is not None
-        while True:
-            data = await self.ws.recv()
-            if isinstance(data, bytes):
-                continue
-            event = json.loads(data)
-            if event.get("type") == "session.created":
-                self.info = event.get("session") or {}
-                return
-            if event.get("type") == "error":
-                await self.refuse(_error_text(event))
+    async def greeting(self, message: str | bytes) -> bool:
+        if isinstance(message, bytes):
+            return False
+        event = json.loads(message)
+        if event.get("type") == "error":
+            await self.refuse(_error_text(event))
+        if event.get("type") != "session.created":
+            return False
+        self.info = event.get("session") or {}
+        return True
 
     def parse(self, message: str | bytes) -> list[Event]:
         """Strict: an audio delta with bad base64 or an odd byte count is a `ValueError` (the load test counts it
