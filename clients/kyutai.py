@@ -1,7 +1,7 @@
 """The Kyutai `/api/chat` protocol from the client side: kind-byte messages, Ogg/Opus both ways via sphn.
 
 Accepts both handshakes (1 byte from the Python server, 9 from Rust/duplexd) and a metadata message before it,
-as moshi.md §1.9 asks of a client compatible with every server.
+as a client compatible with both reference servers must.
 """
 
 from __future__ import annotations

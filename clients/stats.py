@@ -1,6 +1,6 @@
 """Load-test statistics from raw timings, kept apart from the network code so they can be tested on made-up data.
 
-Conventions (shared/reference/conventions.md §6): input paced at 80 ms from a shared start, first-audio latency,
+Conventions: input paced at 80 ms from a shared start, first-audio latency,
 inter-arrival p50/p99/max, deadline misses, frame deficit, underruns with a 100 ms buffer, client send lateness,
 refused sessions in the denominator. Definitions, all per session, times in seconds since the shared start:
 

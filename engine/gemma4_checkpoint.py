@@ -52,6 +52,8 @@ class _Source:
     """A checkpoint location: a local folder, a single .safetensors file, or a hub repo id."""
 
     def __init__(self, ref: str | Path) -> None:
+        self.repo: str | None
+        self.root: Path | None
         text = str(ref)
         if text.startswith("hf://"):
             text = text[len("hf://") :]

@@ -10,6 +10,7 @@ and remade if the weight is modified in place; it doubles that weight's memory.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -21,13 +22,17 @@ MAX_ROWS = 64  # above this MKL's GEMM is as good
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _forget(key: tuple, _ref: weakref.ref) -> None:
+    _PACKED.pop(key, None)
+
+
 def _packed(w: torch.Tensor, rows: int) -> torch.Tensor:
     base = w if w._base is None else w._base
     key = (id(base), w.storage_offset(), tuple(w.shape), w.stride())
     hit = _PACKED.get(key)
     if hit is None or hit[0]() is not base or hit[1] != w._version:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), rows)
-        hit = (weakref.ref(base, lambda _, key=key: _PACKED.pop(key, None)), w._version, packed)
+        hit = (weakref.ref(base, functools.partial(_forget, key)), w._version, packed)
         _PACKED[key] = hit
     return hit[2]
 

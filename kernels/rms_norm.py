@@ -7,6 +7,8 @@ torch code does (`residual + update` rounded to the storage dtype, then the norm
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from ._triton import tl, triton
@@ -59,6 +61,12 @@ def _num_warps(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
+@overload
+def rms_norm_triton(x: torch.Tensor, alpha: torch.Tensor, eps: float = ...) -> torch.Tensor: ...
+@overload
+def rms_norm_triton(
+    x: torch.Tensor, alpha: torch.Tensor, eps: float = ..., *, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm_triton(
     x: torch.Tensor, alpha: torch.Tensor, eps: float = 1e-8, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,8 @@ class Gemma4AudioConfig:
     num_mel_bins: int = 128
 
     def __post_init__(self) -> None:
-        self.subsampling_conv_channels = tuple(self.subsampling_conv_channels)
+        c0, c1 = self.subsampling_conv_channels  # a list when read from JSON
+        self.subsampling_conv_channels = (int(c0), int(c1))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.subsampling_conv_channels[0] // 4 * 4 != self.num_mel_bins:
@@ -387,7 +388,8 @@ class Attention(nn.Module):
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.post):
             lin.prepare(pack)
         self._rel_k = self.relative_keys()
-        same_in = self.q_proj._bounds[:2] == self.k_proj._bounds[:2] == self.v_proj._bounds[:2]
+        in_bounds = {(lin._bounds or (None, None))[:2] for lin in (self.q_proj, self.k_proj, self.v_proj)}
+        same_in = len(in_bounds) == 1  # the three share their input clamp, so one fused projection serves
         if same_in:
             w = torch.cat([self.q_proj.linear.weight, self.k_proj.linear.weight, self.v_proj.linear.weight]).detach()
             self._qkv, self._qkv_packed = w, (pack_weight(w) if pack else None)
@@ -543,11 +545,15 @@ class Gemma4AudioTower(nn.Module):
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.output_proj_dims, bias=True)
         self._out_packed: torch.Tensor | None = None
 
+    @property
+    def conformer_layers(self) -> Sequence[ConformerLayer]:
+        return cast(Sequence[ConformerLayer], self.layers)
+
     def prepare(self, pack: bool) -> None:
         self.subsample_conv_projection.packed = (
             pack_weight(self.subsample_conv_projection.input_proj_linear.weight) if pack else None
         )
-        for layer in self.layers:
+        for layer in self.conformer_layers:
             layer.feed_forward1.ffw_layer_1.prepare(pack)
             layer.feed_forward1.ffw_layer_2.prepare(pack)
             layer.feed_forward2.ffw_layer_1.prepare(pack)
@@ -573,7 +579,7 @@ class Gemma4AudioTower(nn.Module):
         packing = Packing(tmask) if Packing.applies(tmask) else None
         if packing is not None:
             x = packing.pack(x)
-        for layer in self.layers:
+        for layer in self.conformer_layers:
             x = layer(x, tmask, packing)
         x = self.output(x)
         return (packing.unpack(x) if packing is not None else x), tmask
@@ -747,7 +753,7 @@ class Gemma4AudioEncoder(nn.Module):
         seen = state.tokens[idx]
         # History row c holds token (seen - (W-1) + c); it exists iff that index is >= 0.
         hist_valid = torch.arange(w - 1, device=self.device)[None, :] >= (w - 1 - seen)[:, None]
-        for i, layer in enumerate(tower.layers):
+        for i, layer in enumerate(tower.conformer_layers):
             x, k, v, c = layer.step(x, state.k[i, idx], state.v[i, idx], hist_valid, state.conv[i, idx])
             state.k[i, idx], state.v[i, idx], state.conv[i, idx] = k, v, c
         state.tokens[idx] += x.shape[1]

@@ -15,7 +15,9 @@ synchronisation, so a step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -127,14 +129,15 @@ class LMModel(nn.Module):
         heads, dh = cfg.num_heads, cfg.head_dim
         x = self.embed(tokens)
         cos, sin = rope_angles(positions, dh, cfg.max_period)
-        last = len(self.layers) - 1
-        h = rms_norm(x, self.layers[0].attn_norm, NORM_EPS)
-        for i, layer in enumerate(self.layers):
+        layers = cast(Sequence[TemporalLayer], self.layers)
+        last = len(layers) - 1
+        h = rms_norm(x, layers[0].attn_norm, NORM_EPS)
+        for i, layer in enumerate(layers):
             qkv = matmul(h, layer.wqkv).view(-1, 3, heads, dh)
             q, k = rope_qk(qkv[:, 0], qkv[:, 1], cos, sin)
             attn = cache.attend(i, view, q, k, qkv[:, 2])
             h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
-            next_norm = self.layers[i + 1].attn_norm if i < last else self.out_norm
+            next_norm = layers[i + 1].attn_norm if i < last else self.out_norm
             h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
         return h, matmul(h, self.text_head)
 
@@ -150,17 +153,18 @@ class LMModel(nn.Module):
         kv = hidden.new_empty(len(self.dep_layers), 2, batch, heads, q, dh)
         prev = F.embedding(text_token, self.dep_text_emb)
         tokens, all_logits = [], []
-        last = len(self.dep_layers) - 1
+        dep_layers = cast(Sequence[DepformerLayer], self.dep_layers)
+        last = len(dep_layers) - 1
         for step in range(q):
-            h, x = add_rms_norm(matmul(hidden, self.dep_in[step]), prev, self.dep_layers[0].attn_norm, NORM_EPS)
-            for i, layer in enumerate(self.dep_layers):
+            h, x = add_rms_norm(matmul(hidden, self.dep_in[step]), prev, dep_layers[0].attn_norm, NORM_EPS)
+            for i, layer in enumerate(dep_layers):
                 qkv = matmul(h, layer.wqkv[step]).view(batch, 3, heads, dh)
                 kv[i, :, :, :, step] = qkv[:, 1:].transpose(0, 1)
                 attn = attend(qkv[:, 0], kv[i, 0, :, :, : step + 1], kv[i, 1, :, :, : step + 1])
                 h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo[step]), x, layer.mlp_norm, NORM_EPS)
                 update = gated_mlp(h, layer.w_in[step], layer.w_out[step])
                 if i < last:
-                    h, x = add_rms_norm(update, x, self.dep_layers[i + 1].attn_norm, NORM_EPS)
+                    h, x = add_rms_norm(update, x, dep_layers[i + 1].attn_norm, NORM_EPS)
                 else:
                     x = x + update
             logits = matmul(x, self.dep_heads[step])

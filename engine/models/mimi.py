@@ -19,6 +19,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -318,6 +319,9 @@ class Transformer(nn.Module):
 class Codebook(nn.Module):
     """Euclidean codebook; centroids are `embedding_sum / cluster_usage`, recomputed when either changes."""
 
+    cluster_usage: torch.Tensor
+    embedding_sum: torch.Tensor
+
     def __init__(self, dim: int, card: int) -> None:
         super().__init__()
         self.register_buffer("_initialized", torch.zeros(1))
@@ -356,12 +360,16 @@ class ResidualVQ(nn.Module):
         self.output_proj = nn.Parameter(torch.empty(codebook_dim, dim))
         self.vq = _VQLayers(n_q, codebook_dim, card)
 
+    @property
+    def codebooks(self) -> list[Codebook]:
+        return [cast(_VQ, layer)._codebook for layer in self.vq.layers]
+
     def encode(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """x [N, dim] → codes [N, n]: nearest centroid of the residual, codebook after codebook."""
         residual = x @ self.input_proj
         codes = []
-        for layer in self.vq.layers[:n]:
-            emb, emb_t, norms = layer._codebook.tables()
+        for codebook in self.codebooks[:n]:
+            emb, emb_t, norms = codebook.tables()
             # argmin |r - e|^2 = argmin |e|^2 - 2 r.e  (the reference's cdist takes the same matmul path)
             idx = torch.addmm(norms, residual, emb_t, alpha=-2.0).argmin(-1)
             residual = residual - emb[idx]
@@ -370,10 +378,10 @@ class ResidualVQ(nn.Module):
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [N, n] → [N, dim]."""
-        total = None
-        for k, layer in enumerate(self.vq.layers[: codes.shape[1]]):
-            emb = layer._codebook.tables()[0][codes[:, k]]
-            total = emb if total is None else total + emb
+        books = self.codebooks[: codes.shape[1]]
+        total = books[0].tables()[0][codes[:, 0]]
+        for k in range(1, len(books)):
+            total = total + books[k].tables()[0][codes[:, k]]
         return total @ self.output_proj
 
 
@@ -472,7 +480,7 @@ def reference_keys(model: MimiModel, naming: str = "module") -> list[tuple[str, 
     differ only in the attention projection names since Mimi has one projection per layer.
     """
     rows = []
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     convtr = {n for n, m in model.named_modules() if isinstance(m, StreamingConvTranspose1d)}
     for name, t in tensors.items():
@@ -511,7 +519,8 @@ def _init_states(roots: list[nn.Module], rows: int, device, dtype) -> dict[nn.Mo
     out = {}
     for root in roots:
         for m in root.modules():
-            if hasattr(m, "init_state") and (state := m.init_state(rows, device=device, dtype=dtype)):
+            init_state = getattr(m, "init_state", None)
+            if init_state is not None and (state := init_state(rows, device=device, dtype=dtype)):
                 out[m] = state
     return out
 
@@ -522,7 +531,7 @@ class MimiStreams:
     `encode` and `decode` step any subset of slots by whole frames; their states are independent, so they may be
     interleaved freely. A fresh (or reset) slot behaves as the reference's `mimi.streaming()` right after entry:
     consecutive `encode` calls give the same codes as the reference's streaming `mimi.encode` on the same frames.
-    The reference *server* additionally resets Mimi after the first frame it encodes (moshi.md §1.5); a caller
+    The reference *server* additionally resets Mimi after the first frame it encodes; a caller
     reproducing that calls `reset(slot)` after the first `encode` (the LM ignores that first frame anyway).
 
     Every state tensor has one more row, the scratch slot (`scratch_slot`): padding rows of a bucketed batch, and
