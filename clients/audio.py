@@ -32,8 +32,10 @@ def read_audio(path: str | Path, sample_rate: int = SAMPLE_RATE, min_samples: in
     if rate != sample_rate:
         mono = soxr.resample(mono, rate, sample_rate)
     if len(mono) < min_samples:
-        raise InputError(f"{path} is too short: {len(mono) / sample_rate * 1000:.0f} ms, "
-                         f"at least {min_samples / sample_rate * 1000:.0f} ms (one frame) is needed")
+        raise InputError(
+            f"{path} is too short: {len(mono) / sample_rate * 1000:.0f} ms, "
+            f"at least {min_samples / sample_rate * 1000:.0f} ms (one frame) is needed"
+        )
     return np.ascontiguousarray(mono, dtype=np.float32)
 
 
