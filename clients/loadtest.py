@@ -200,6 +200,7 @@ async def run_load_test(config: LoadTestConfig,
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
+        if on_progress:
             on_progress(progress)
     return LoadTestResult(config, [s.trace for s in sessions], date, time.monotonic() - wall)
 
@@ -208,4 +209,3 @@ async def _tick(progress: Progress, callback: Callable[[Progress], None]) -> Non
     while True:
         callback(progress)
         await asyncio.sleep(0.5)
-

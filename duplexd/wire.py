@@ -94,7 +94,7 @@ def pcm_from_pcm16(raw: bytes) -> np.ndarray:
 
 def pcm16_base64(pcm: np.ndarray) -> str:
     """Float samples as the base64 pcm16 of a Realtime audio event (no newline: it goes into JSON as is)."""
-    return binascii.b2a_base64(pcm16(pcm), newline=False).decode("ascii")
+    return binascii.b2a_base64(pcm16(pcm).data, newline=False).decode("ascii")
 
 
 def pcm_from_base64(data: str) -> np.ndarray:
