@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
             _print_single(result)
         if args.plot:
             plot.plot(result.traces, _plot_path(args.plot, n, many),
-                 f"duplexd loadtest: {n} sessions, {args.protocol}, {args.duration:g} s ({result.date})", stats)
+                      f"duplexd loadtest: {n} sessions, {args.protocol}, {args.duration:g} s ({result.date})", stats)
         if o.client_slow:
             print(f"warning: client send lateness p99 {o.send_lateness_ms['p99']:.0f} ms > "
                   f"{stats.lateness_warning * 1000:.0f} ms: this client "
