@@ -32,6 +32,7 @@ from bench.common import through_checkpoint  # noqa: E402
 from duplexd.engine.checkpoint import load_lm, load_mimi  # noqa: E402
 from duplexd.engine.config import DEMO_MIMI, LMConfig, SamplingParams  # noqa: E402
 from duplexd.engine.engine import Engine, EngineConfig  # noqa: E402
+from duplexd.wire import split_frames  # noqa: E402
 from tests.ref_models import reference_lm, reference_mimi  # noqa: E402
 
 CONFIG = LMConfig(dim=512, num_heads=8, num_layers=6, depformer_dim=256,
@@ -41,7 +42,7 @@ FS = DEMO_MIMI.frame_size
 
 
 def _audio(frames: int, seed: int) -> np.ndarray:
-    t = np.arange(frames * FS) / 24000
+    t = np.arange(frames * FS) / DEMO_MIMI.sample_rate
     noise = np.random.default_rng(seed).standard_normal(len(t))
     return (0.2 * np.sin(2 * np.pi * (140 + 10 * seed) * t) + 0.02 * noise).astype(np.float32)
 
@@ -66,12 +67,12 @@ def duplexd_fps(engine: Engine, sessions: int, frames: int) -> float:
 def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int) -> float:
     started = time.perf_counter()
     for s in range(sessions):
-        pcm = torch.from_numpy(_audio(frames, s))
+        pcm = torch.from_numpy(split_frames(_audio(frames, s), FS))
         gen = RefLMGen(ref_lm, temp=PARAMS.audio_temperature, top_k=PARAMS.audio_topk,
                        temp_text=PARAMS.text_temperature, top_k_text=PARAMS.text_topk)
         with gen.streaming(1), ref_mimi.streaming(1):
             for f in range(frames):
-                codes = ref_mimi.encode(pcm[None, None, f * FS:(f + 1) * FS])
+                codes = ref_mimi.encode(pcm[None, None, f])
                 tokens = gen.step(codes[:, :CONFIG.num_user_codebooks])
                 if tokens is not None:
                     ref_mimi.decode(tokens[:, 1:])

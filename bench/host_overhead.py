@@ -93,9 +93,9 @@ def ms_per_session_s(cpu_seconds: float, session_seconds: float) -> float:
 RULES: tuple[tuple[str, re.Pattern, re.Pattern | None], ...] = tuple(
     (cat, re.compile(path), re.compile(func) if func else None) for cat, path, func in (
         ("codec", r"(^|/)server/opus\.py$|(^|/)sphn/", None),
-        ("codec", r"(^|/)server/realtime_events\.py$", r"^(pcm16_bytes|pcm_from_pcm16)$"),
+        ("codec", r"(^|/)duplexd/wire\.py$|(^|/)server/realtime_events\.py$", r"^(pcm16|pcm16_bytes|pcm_from_pcm16)$"),
         ("framing", r"(^|/)(websockets|wsproto|h11|json|orjson)/|(^|/)uvicorn/protocols/|(^|/)starlette/websockets\.py$"
-         r"|(^|/)base64\.py$|(^|/)server/(protocol|realtime_events)\.py$", None),
+         r"|(^|/)base64\.py$|(^|/)server/(protocol|realtime_events)\.py$|(^|/)duplexd/wire\.py$", None),
         ("engine", r"(^|/)engine/|(^|/)torch/", None),
         ("metrics", r"(^|/)prometheus_client/|(^|/)server/(latency|metrics)\.py$", None),
         ("asyncio", r"(^|/)(asyncio|uvloop|anyio|concurrent)/|(^|/)threading\.py$", None),

@@ -25,6 +25,7 @@ import torch
 
 from duplexd.engine.config import DEMO, DEMO_MIMI
 from duplexd.engine.pipeline import FrameOutput, Pipeline
+from duplexd.wire import split_frames
 
 logger = logging.getLogger("duplexd.bench.host_overhead")
 
@@ -54,8 +55,9 @@ class StandIn:
         rng = np.random.default_rng(seed)
         vocab = TextTokenizer(ensure_demo().tokenizer).vocab_size
         speech = speech_like(VARIANTS * frame_size / DEMO_MIMI.sample_rate + 1.0, seed=seed)[: VARIANTS * frame_size]
+        frames = split_frames(speech, frame_size)
         # Row r of variant v plays frame (v + r) of the speech, so rows differ and no stream repeats every frame.
-        self.pcm = [torch.from_numpy(np.stack([speech.reshape(VARIANTS, frame_size)[(v + r) % VARIANTS]
+        self.pcm = [torch.from_numpy(np.stack([frames[(v + r) % VARIANTS]
                                                for r in range(max_rows)])) for v in range(VARIANTS)]
         text = np.where(rng.random((VARIANTS, max_rows)) < TEXT_RATE,
                         rng.integers(4, vocab, (VARIANTS, max_rows)), DEMO.text_padding_token_id)

@@ -23,6 +23,7 @@ from bench.common import median_ms, parse_args, side_by_side, through_checkpoint
 from duplexd.engine.checkpoint import load_mimi  # noqa: E402
 from duplexd.engine.config import DEMO_MIMI, MIMI  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel, MimiStreams  # noqa: E402
+from duplexd.wire import split_frames  # noqa: E402
 from tests.ref_models import reference_mimi  # noqa: E402
 
 FS = MIMI.frame_size
@@ -30,7 +31,7 @@ FS = MIMI.frame_size
 
 def _signal(batch: int, frames: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(batch)
-    t = torch.arange(frames * FS) / 24000
+    t = torch.arange(frames * FS) / MIMI.sample_rate
     tone = torch.sin(2 * torch.pi * 180 * t) * (0.6 + 0.4 * torch.sin(2 * torch.pi * 4 * t))
     return 0.2 * tone + 0.02 * torch.randn(batch, frames * FS, generator=gen)
 
@@ -38,13 +39,13 @@ def _signal(batch: int, frames: int) -> torch.Tensor:
 @torch.no_grad()
 def run(batch: int, ref, model: MimiModel, frames: int, warmup: int) -> tuple[float, float]:
     """Both sides step the same frames alternately, so load from other processes hits them alike."""
-    pcm = _signal(batch, frames + warmup)
+    pcm = torch.from_numpy(split_frames(_signal(batch, frames + warmup).numpy(), FS))  # [batch, frames, FS]
     streams = MimiStreams(model, num_slots=batch)
     slots = torch.arange(batch)
     times: dict[str, list[float]] = {"dx": [], "ref": []}
     with ref.streaming(batch):
         for f in range(frames + warmup):
-            x = pcm[:, f * FS:(f + 1) * FS]
+            x = pcm[:, f]
             for side in ("ref", "dx") if f % 2 else ("dx", "ref"):
                 started = time.perf_counter()
                 if side == "ref":

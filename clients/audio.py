@@ -1,4 +1,4 @@
-"""Audio files in and out of the clients, at the model's rate (24 kHz mono float32), and a synthetic talker.
+"""Audio files in and out, at the model's rate (24 kHz mono float32), and a synthetic talker.
 
 The generated audio is "speech-like" (voiced syllables with a moving pitch, formant-ish harmonics, pauses) so a
 load test exercises the codec and the model the way a talker does, without shipping a recording.
@@ -6,34 +6,41 @@ load test exercises the codec and the model the way a talker does, without shipp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import soundfile as sf
 import soxr
 
-SAMPLE_RATE = 24000
-FRAME_SIZE = 1920  # 80 ms at 24 kHz: one Mimi frame
-FRAME_SECONDS = FRAME_SIZE / SAMPLE_RATE
+from duplexd.wire import SAMPLE_RATE
 
 
-def read_audio(path: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Mono float32 at `sample_rate` from any file soundfile reads (stereo is averaged, other rates resampled)."""
-    data, rate = sf.read(path, dtype="float32", always_2d=True)
+class InputError(ValueError):
+    """The input audio cannot be used; the message says why."""
+
+
+def read_audio(path: str | Path, sample_rate: int = SAMPLE_RATE, min_samples: int = 1) -> np.ndarray:
+    """Mono float32 at `sample_rate` from any file soundfile reads (stereo is averaged, other rates resampled);
+    `InputError` when it cannot be read or holds fewer than `min_samples` samples."""
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, OSError) as e:
+        raise InputError(f"cannot read audio from {path}: {e}") from None
+    if data.size == 0:
+        raise InputError(f"{path} contains no audio")
     mono = data.mean(axis=1)
     if rate != sample_rate:
         mono = soxr.resample(mono, rate, sample_rate)
+    if len(mono) < min_samples:
+        raise InputError(
+            f"{path} is too short: {len(mono) / sample_rate * 1000:.0f} ms, "
+            f"at least {min_samples / sample_rate * 1000:.0f} ms (one frame) is needed"
+        )
     return np.ascontiguousarray(mono, dtype=np.float32)
 
 
-def write_wav(path: str, pcm: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
-    sf.write(path, np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0), sample_rate, subtype="PCM_16")
-
-
-def frames(pcm: np.ndarray, frame_size: int = FRAME_SIZE) -> list[np.ndarray]:
-    """Whole frames of `pcm`, the last one zero-padded (the server only steps on whole frames)."""
-    count = max(1, -(-len(pcm) // frame_size))
-    padded = np.zeros(count * frame_size, dtype=np.float32)
-    padded[: len(pcm)] = pcm
-    return [padded[i * frame_size : (i + 1) * frame_size] for i in range(count)]
+def write_wav(path: str | Path, pcm: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+    sf.write(str(path), np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0), sample_rate, subtype="PCM_16")
 
 
 def speech_like(seconds: float, seed: int = 0, sample_rate: int = SAMPLE_RATE) -> np.ndarray:

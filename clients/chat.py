@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .audio import FRAME_SECONDS, FRAME_SIZE, frames, read_audio, write_wav
+from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, split_frames
+
+from .audio import InputError, read_audio, write_wav
 from .cli_args import add_connection_args, connect_options
 from .connection import ConnectionFailed, ConnectOptions, describe_server, open_connection
 from .pacing import Pacer
@@ -65,7 +67,7 @@ async def chat(pcm: np.ndarray, options: ConnectOptions, *, fast: bool = False, 
                 errors.append(event.text)
 
     receiver = asyncio.create_task(receive())
-    frame_list = frames(pcm)
+    frame_list = split_frames(pcm)
     sent = 0
     try:
         pacer = Pacer(time.monotonic(), FRAME_SECONDS)
@@ -104,12 +106,12 @@ async def chat(pcm: np.ndarray, options: ConnectOptions, *, fast: bool = False, 
 def run(args: argparse.Namespace) -> int:
     try:
         pcm = read_audio(args.input)
-    except Exception as e:  # noqa: BLE001 - soundfile raises several kinds; all mean the same to the user
-        print(f"duplexd chat: cannot read {args.input}: {e}", file=sys.stderr)
+    except InputError as e:
+        print(f"duplexd chat: {e}", file=sys.stderr)
         return 2
     options = connect_options(args)
     mode = "as fast as the server answers" if args.fast else "at real-time pace"
-    print(f"streaming {len(pcm) / 24000:.1f} s of {args.input} to {options.url} ({options.protocol}) {mode}",
+    print(f"streaming {len(pcm) / SAMPLE_RATE:.1f} s of {args.input} to {options.url} ({options.protocol}) {mode}",
           file=sys.stderr)
 
     def show(piece: str) -> None:
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.text_out, "w", encoding="utf-8") as f:
             f.write(result.text)
     print(f"sent {result.frames_sent} frames, received {result.frames_received}; "
-          f"wrote {len(result.pcm) / 24000:.2f} s to {args.out}", file=sys.stderr)
+          f"wrote {len(result.pcm) / SAMPLE_RATE:.2f} s to {args.out}", file=sys.stderr)
     for error in result.errors:
         print(f"server error: {error}", file=sys.stderr)
     return 0

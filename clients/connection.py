@@ -11,8 +11,9 @@ import asyncio
 import json
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import NoReturn
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import numpy as np
@@ -115,6 +116,16 @@ class Connection(ABC):
             await self.close()
             raise ConnectionFailed(f"no handshake within {self.options.open_timeout:g} s") from None
 
+    async def refuse(self, message: str) -> NoReturn:
+        """The server said no during the handshake: raise `Refused` with the code of the close frame that follows
+        its error message (both protocols refuse that way)."""
+        assert self.ws is not None
+        try:
+            await self.ws.recv()
+        except ConnectionClosed as e:
+            self._closed(e)
+        raise Refused(message, self.close_code)
+
     def _closed(self, e: ConnectionClosed) -> None:
         frame = e.rcvd or e.sent
         self.close_code = frame.code if frame else None
@@ -149,9 +160,15 @@ class Connection(ABC):
     def subprotocols(self) -> list | None:
         return None
 
-    @abstractmethod
     async def handshake(self) -> None:
-        """Read until the server says the session is admitted; raise `Refused` if it says no."""
+        """Read until the server says the session is admitted; `Refused` if it says no."""
+        assert self.ws is not None
+        while not await self.greeting(await self.ws.recv()):
+            pass
+
+    @abstractmethod
+    async def greeting(self, message: str | bytes) -> bool:
+        """Take in one message of the handshake: True once admitted; `refuse` on an error."""
 
     @abstractmethod
     def parse(self, message: str | bytes) -> list[Event]:
@@ -175,7 +192,7 @@ def open_connection(options: ConnectOptions) -> Connection:
     raise ValueError(f"unknown protocol {options.protocol!r} (kyutai or realtime)")
 
 
-def encode_stream(protocol: str, frames: list[np.ndarray]) -> list[str | bytes]:
+def encode_stream(protocol: str, frames: Iterable[np.ndarray]) -> list[str | bytes]:
     """The wire messages of a whole input, one per frame, ready for `Connection.send_message`."""
     if protocol == "kyutai":
         from .kyutai import encode_stream as kyutai_stream

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 import sphn
 
-from duplexd.server import protocol
+from duplexd.wire import SAMPLE_RATE, Kind, decode, encode
 
-from .audio import SAMPLE_RATE
-from .connection import Connection, ConnectOptions, Event, Refused
+from .connection import Connection, ConnectOptions, Event
 
 logger = logging.getLogger(__name__)
 
@@ -26,45 +26,40 @@ class KyutaiConnection(Connection):
         self._writer = sphn.OpusStreamWriter(SAMPLE_RATE)
         self._reader = sphn.OpusStreamReader(SAMPLE_RATE)
 
-    async def handshake(self) -> None:
-        assert self.ws is not None
-        while True:
-            data = await self.ws.recv()
-            if isinstance(data, str):
-                continue
-            msg = protocol.decode(data)
-            if msg.kind == protocol.Kind.HANDSHAKE:
-                return
-            if msg.kind == protocol.Kind.METADATA:
-                self.info = json.loads(msg.payload.decode("utf-8"))
-            elif msg.kind == protocol.Kind.ERROR:
-                message = msg.payload.decode("utf-8", "replace")
-                try:
-                    await self.ws.recv()  # the close frame that follows carries the code
-                except Exception as e:  # noqa: BLE001 - ConnectionClosed is the expected outcome
-                    code = getattr(getattr(e, "rcvd", None), "code", None)
-                    raise Refused(message, code) from None
-                raise Refused(message)
+    async def greeting(self, message: str | bytes) -> bool:
+        if isinstance(message, str):
+            return False
+        msg = decode(message)
+        if msg.kind == Kind.METADATA:
+            self.info = json.loads(msg.payload.decode("utf-8"))
+        elif msg.kind == Kind.ERROR:
+            await self.refuse(msg.payload.decode("utf-8", "replace"))
+        return msg.kind == Kind.HANDSHAKE
 
     def parse(self, message: str | bytes) -> list[Event]:
         if isinstance(message, str):
             return []
-        msg = protocol.decode(message)
-        if msg.kind == protocol.Kind.AUDIO:
+        msg = decode(message)
+        if msg.kind == Kind.AUDIO:
             return [Event("audio", pcm=self._reader.append_bytes(msg.payload))]
-        if msg.kind == protocol.Kind.TEXT:
+        if msg.kind == Kind.TEXT:
             return [Event("text", text=msg.payload.decode("utf-8", "replace"))]
-        if msg.kind == protocol.Kind.ERROR:
+        if msg.kind == Kind.ERROR:
             return [Event("error", text=msg.payload.decode("utf-8", "replace"))]
         return []
 
     def encode(self, pcm: np.ndarray) -> bytes:
-        return protocol.audio(self._writer.append_pcm(np.ascontiguousarray(pcm, dtype=np.float32)))
+        return _audio(self._writer, pcm)
 
 
-def encode_stream(frames: list[np.ndarray]) -> list[bytes]:
+def _audio(writer: sphn.OpusStreamWriter, pcm: np.ndarray) -> bytes:
+    """One audio message: the Ogg pages `writer` gives for `pcm` (possibly none yet)."""
+    return encode(Kind.AUDIO, writer.append_pcm(np.ascontiguousarray(pcm, dtype=np.float32)))
+
+
+def encode_stream(frames: Iterable[np.ndarray]) -> list[bytes]:
     """The messages of one whole input stream (the first carries the Ogg headers): encode once, send often.
 
     A frame whose pages the writer still holds back gives an empty audio message, harmless to the server."""
     writer = sphn.OpusStreamWriter(SAMPLE_RATE)
-    return [protocol.audio(writer.append_pcm(np.ascontiguousarray(f, dtype=np.float32))) for f in frames]
+    return [_audio(writer, f) for f in frames]

@@ -13,11 +13,13 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .audio import FRAME_SECONDS, FRAME_SIZE, frames, level_db, read_audio, speech_like
+from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, split_frames
+
+from .audio import level_db, read_audio, speech_like
 from .connection import Connection, ConnectionFailed, ConnectOptions, Refused, encode_stream, open_connection
 from .pacing import Pacer
 from .stats import Overall, SessionTrace, StatsConfig, as_dict, overall, session_stats, timeline
@@ -76,14 +78,12 @@ class LoadTestResult:
                 "timeline": timeline(self.traces, self.config.stats)}
 
 
-def input_frames(config: LoadTestConfig) -> list[np.ndarray]:
-    """Exactly `config.frames` frames: the input file looped (or cut), or generated speech."""
+def input_frames(config: LoadTestConfig) -> np.ndarray:
+    """Exactly `config.frames` frames: the input file looped (or cut), or generated speech; `InputError` when the
+    file cannot be read."""
     pcm = read_audio(config.input) if config.input else speech_like(config.duration + 1.0, seed=config.seed)
     need = config.frames * FRAME_SIZE
-    if len(pcm) == 0:
-        pcm = np.zeros(need, np.float32)
-    pcm = np.tile(pcm, -(-need // len(pcm)))[:need]
-    return frames(pcm)
+    return split_frames(np.tile(pcm, -(-need // len(pcm)))[:need])
 
 
 class _Session:
@@ -200,6 +200,7 @@ async def run_load_test(config: LoadTestConfig,
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
+        if on_progress:
             on_progress(progress)
     return LoadTestResult(config, [s.trace for s in sessions], date, time.monotonic() - wall)
 
@@ -208,7 +209,3 @@ async def _tick(progress: Progress, callback: Callable[[Progress], None]) -> Non
     while True:
         callback(progress)
         await asyncio.sleep(0.5)
-
-
-def sweep_configs(base: LoadTestConfig, counts: list[int]) -> list[LoadTestConfig]:
-    return [replace(base, sessions=n) for n in counts]

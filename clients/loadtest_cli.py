@@ -9,11 +9,24 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from . import plot
+from .audio import InputError
 from .cli_args import add_connection_args, connect_options
 from .loadtest import LoadTestConfig, LoadTestResult, Progress, run_load_test
-from .plot import plot
 from .report import COLUMNS, Thresholds, capacity, failures, markdown_table, row, write_json
 from .stats import StatsConfig
+
+DEFAULT_PLOT = "loadtest.png"
+# The checks: Thresholds field, flag, type, help. A broken one exits with status 1.
+CHECKS = (
+    ("max_late_frac", "--max-late-frac", float, "largest fraction of late or missing frames, e.g. 0.01"),
+    ("max_ttfa_ms", "--max-ttfa-ms", float, "largest time-to-first-audio p99"),
+    ("max_inter_arrival_p99_ms", "--max-gap-p99-ms", float, "largest inter-arrival p99"),
+    ("max_refused", "--max-refused", int, "most refused sessions"),
+    ("max_errors", "--max-errors", int, "most sessions ending in an error"),
+    ("max_underruns", "--max-underruns", int, "most playback underruns, all sessions together"),
+    ("max_deficit", "--max-deficit", int, "most frames sent but not answered, all sessions together"),
+)
 
 
 def session_counts(text: str) -> list[int]:
@@ -27,8 +40,17 @@ def session_counts(text: str) -> list[int]:
 
 
 def thresholds(args: argparse.Namespace) -> Thresholds:
-    return Thresholds(args.max_late_frac, args.max_ttfa_ms, args.max_gap_p99_ms, args.max_refused, args.max_errors,
-                      args.max_underruns, args.max_deficit)
+    return Thresholds(**{name: getattr(args, name) for name, *_ in CHECKS})
+
+
+def plot_path(requested: str | None) -> str | None:
+    """Where the PNG goes ('' or None: nowhere). An asked-for plot needs matplotlib (`PlotUnavailable` at start,
+    before any connection); the default one is made only when matplotlib is there."""
+    if requested is None:
+        return DEFAULT_PLOT if plot.available() else None
+    if requested:
+        plot.require()
+    return requested or None
 
 
 def _progress_line(quiet: bool):
@@ -62,6 +84,19 @@ def _plot_path(base: str, n: int, many: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        args.plot = plot_path(args.plot)
+    except plot.PlotUnavailable as e:
+        print(f"duplexd loadtest: --plot {args.plot}: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except InputError as e:
+        print(f"duplexd loadtest: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     stats = StatsConfig(late_threshold=args.late_ms / 1000, jitter_buffer=args.jitter_buffer_ms / 1000)
     base = LoadTestConfig(connect=connect_options(args), duration=args.duration, ramp=args.ramp, drain=args.drain,
                           input=args.input, seed=args.seed or 0, stats=stats)
@@ -77,10 +112,11 @@ def run(args: argparse.Namespace) -> int:
         if not many:
             _print_single(result)
         if args.plot:
-            plot(result.traces, _plot_path(args.plot, n, many),
-                 f"duplexd loadtest: {n} sessions, {args.protocol}, {args.duration:g} s ({result.date})", stats)
+            plot.plot(result.traces, _plot_path(args.plot, n, many),
+                      f"duplexd loadtest: {n} sessions, {args.protocol}, {args.duration:g} s ({result.date})", stats)
         if o.client_slow:
-            print(f"warning: client send lateness p99 {o.send_lateness_ms['p99']:.0f} ms > 80 ms: this client "
+            print(f"warning: client send lateness p99 {o.send_lateness_ms['p99']:.0f} ms > "
+                  f"{stats.lateness_warning * 1000:.0f} ms: this client "
                   "machine could not keep the pace; the figures say more about it than about the server",
                   file=sys.stderr)
     overalls = [r.overall for r in results]
@@ -120,18 +156,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain", type=float, default=1.0, help="seconds to listen after the last input frame")
     p.add_argument("--input", help="input audio (WAV or any soundfile format), looped; default: generated speech")
     p.add_argument("--json", default="loadtest.json", help="report file (default: %(default)s; '' for none)")
-    p.add_argument("--plot", default="loadtest.png",
-                   help="PNG plot (default: %(default)s; a sweep writes NAME-N.png; '' for none)")
+    p.add_argument("--plot", help=f"PNG plot (default: {DEFAULT_PLOT} when matplotlib, the {plot.EXTRA} extra, is "
+                   "installed; a sweep writes NAME-N.png; '' for none)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--late-ms", type=float, default=80.0, help="a frame this far behind its deadline is late")
     p.add_argument("--jitter-buffer-ms", type=float, default=100.0, help="simulated player buffer (underruns)")
     c = p.add_argument_group("checks (a failed one exits with status 1)")
-    c.add_argument("--max-late-frac", type=float, help="largest fraction of late or missing frames, e.g. 0.01")
-    c.add_argument("--max-ttfa-ms", type=float, help="largest time-to-first-audio p99")
-    c.add_argument("--max-gap-p99-ms", type=float, help="largest inter-arrival p99")
-    c.add_argument("--max-refused", type=int, help="most refused sessions")
-    c.add_argument("--max-errors", type=int, help="most sessions ending in an error")
-    c.add_argument("--max-underruns", type=int, help="most playback underruns, all sessions together")
-    c.add_argument("--max-deficit", type=int, help="most frames sent but not answered, all sessions together")
+    for name, flag, kind, text in CHECKS:
+        c.add_argument(flag, dest=name, type=kind, help=text)
     add_connection_args(p)
     p.set_defaults(func=run)

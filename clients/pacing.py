@@ -12,11 +12,13 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from duplexd.wire import FRAME_SECONDS
+
 
 @dataclass
 class Pacer:
     start: float  # time.monotonic() of frame 0
-    period: float = 0.08
+    period: float = FRAME_SECONDS
     min_gap: float | None = None  # default: period / 2
     sent: list[float] = field(default_factory=list)  # actual send times
 

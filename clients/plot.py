@@ -1,4 +1,8 @@
-"""The load test's PNG: how output frames were spaced and delayed, and what happened each second."""
+"""The load test's PNG: how output frames were spaced and delayed, and what happened each second.
+
+matplotlib is an optional extra (`duplexd[plot]`): it is imported only when a plot is made, so a load test
+without one, and every other client, runs without it.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,31 @@ import numpy as np
 
 from .stats import DEFAULT_STATS, SessionTrace, StatsConfig, answered, timeline
 
+EXTRA = "duplexd[plot]"
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed; the message says which extra brings it."""
+
+
+def require() -> None:
+    """`PlotUnavailable` when matplotlib is missing: callers check at start, before any work a plot would end."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailable(f"plotting needs matplotlib: pip install '{EXTRA}'") from None
+
+
+def available() -> bool:
+    try:
+        require()
+    except PlotUnavailable:
+        return False
+    return True
+
 
 def plot(traces: list[SessionTrace], path: str | Path, title: str, cfg: StatsConfig = DEFAULT_STATS) -> None:
+    require()
     import matplotlib
 
     matplotlib.use("Agg")

@@ -21,10 +21,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from duplexd.wire import FRAME_SECONDS
+
 
 @dataclass(frozen=True)
 class StatsConfig:
-    period: float = 0.08  # seconds of audio per frame
+    period: float = FRAME_SECONDS  # seconds of audio per frame
     late_threshold: float = 0.08  # a frame more than this behind its deadline is late
     jitter_buffer: float = 0.1  # the simulated player's buffer before it starts, and the underrun threshold
     lateness_warning: float = 0.08  # send-lateness p99 above this: the client, not the server, was slow

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import soxr
 import torch
 
+from duplexd.clients.audio import InputError as InputError  # the CLI reports it
+from duplexd.clients.audio import read_audio
 from duplexd.engine.checkpoint import load_lm, load_mimi
 from duplexd.engine.config import MIMI_PRESETS, ConfigError, SamplingParams
 from duplexd.engine.devices import check_device
@@ -20,29 +21,9 @@ from duplexd.engine.hub import resolve_file
 from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_model_files, model_files
 from duplexd.engine.pipeline import Pipeline
 from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.wire import split_frames
 
 logger = logging.getLogger(__name__)
-
-
-class InputError(ValueError):
-    """The input audio cannot be used; the message says why."""
-
-
-def read_audio(path: str | Path, sample_rate: int, min_samples: int) -> np.ndarray:
-    """Any file soundfile reads, down-mixed to mono and resampled to `sample_rate` (float32)."""
-    try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, OSError) as e:
-        raise InputError(f"cannot read audio from {path}: {e}") from None
-    if data.size == 0:
-        raise InputError(f"{path} contains no audio")
-    mono = data.mean(axis=1)
-    if rate != sample_rate:
-        mono = soxr.resample(mono, rate, sample_rate).astype(np.float32)
-    if len(mono) < min_samples:
-        raise InputError(f"{path} is too short: {len(mono) / sample_rate * 1000:.0f} ms, "
-                         f"at least {min_samples / sample_rate * 1000:.0f} ms (one frame) is needed")
-    return mono
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -80,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     frame = pipeline.frame_size
     pcm = read_audio(args.input, mimi.cfg.sample_rate, min_samples=frame)
-    pcm = np.pad(pcm, (0, -len(pcm) % frame))  # the last partial frame is zero-padded, not dropped
-    frames = pcm.reshape(-1, frame)
+    frames = split_frames(pcm, frame)  # the last partial frame is zero-padded, not dropped
     silent = set(lm.cfg.silent_text_ids)
     speech = []
     tokens_out = open(args.tokens_out, "w") if args.tokens_out else None  # noqa: SIM115

@@ -24,12 +24,13 @@ from typing import Annotated, Any, Literal, get_args
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from duplexd import wire
 from duplexd.engine.config import MAX_REPETITION_CONTEXT, SamplingParams
 
 from .closing import Close, CloseCode
 
 SUBPROTOCOL = "realtime"
-SAMPLE_RATE = 24000
+SAMPLE_RATE = wire.SAMPLE_RATE
 # Client events of the OpenAI API that a duplex model has no use for: answered with a non-fatal error.
 UnsupportedType = Literal[
     "input_audio_buffer.commit", "input_audio_buffer.clear", "output_audio_buffer.clear", "response.create",
@@ -160,19 +161,16 @@ def decode_audio(event: AudioAppend) -> np.ndarray:
 
 def pcm_from_pcm16(raw: bytes) -> np.ndarray:
     """pcm16 little-endian as float32 samples in [-1, 1), one array."""
-    return np.multiply(np.frombuffer(raw, dtype="<i2"), 1.0 / 32768.0, dtype=np.float32)
+    return wire.pcm_from_pcm16(raw)
 
 
 def pcm16_bytes(pcm: np.ndarray) -> np.ndarray:
-    """Float samples as pcm16 little-endian (clipped, rounded): one scratch array, no intermediate copies."""
-    scaled = np.multiply(pcm, 32767.0, dtype=np.float32)
-    np.clip(scaled, -32767.0, 32767.0, out=scaled)
-    np.rint(scaled, out=scaled)
-    return scaled.astype("<i2")
+    """Float samples as pcm16 little-endian (clipped, rounded)."""
+    return wire.pcm16(pcm)
 
 
 def encode_audio(pcm: np.ndarray) -> str:
-    return binascii.b2a_base64(pcm16_bytes(pcm), newline=False).decode("ascii")
+    return wire.pcm16_base64(pcm)
 
 
 def _refusal(e: ValidationError, text: str) -> Close | RealtimeError:

@@ -114,3 +114,22 @@ def test_no_private_attribute_of_another_file_is_touched(folder):
     trees = {path: ast.parse(path.read_text()) for path in _modules().values()}
     offences = [o for o in _foreign_private_uses(trees) if o.startswith(f"{folder}/")]
     assert not offences, "\n".join(offences)
+
+
+def _duplexd_imports(prefix: str) -> dict[str, set[str]]:
+    """The duplexd modules each module under `prefix` imports (lazy imports inside functions included)."""
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()
+            if name == prefix or name.startswith(f"{prefix}.")}
+
+
+def test_clients_talk_to_the_server_over_the_wire_only():
+    graph = _duplexd_imports("duplexd.clients")
+    assert "duplexd.clients.connection" in graph["duplexd.clients.kyutai"]  # the graph is really built
+    offences = [f"{name} imports {dep}" for name, deps in sorted(graph.items()) for dep in sorted(deps)
+                if dep.startswith(("duplexd.server", "duplexd.engine"))]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_wire_format_imports_nothing_of_duplexd():
+    assert _duplexd_imports("duplexd.wire")["duplexd.wire"] == set()

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -18,8 +21,8 @@ from duplexd.clients.loadtest import LoadTestConfig, input_frames
 from duplexd.clients.loadtest_cli import session_counts
 from duplexd.clients.pacing import Pacer
 from duplexd.clients.plot import plot
-from duplexd.clients.realtime import decode_pcm16, encode_pcm16
 from duplexd.clients.stats import SessionTrace, StatsConfig, late_flags, overall, session_stats, timeline, underruns
+from duplexd.wire import FRAME_SIZE, pcm16_base64, pcm_from_base64, split_frames
 
 T = 0.08
 
@@ -147,16 +150,18 @@ def test_pacer_paces_in_real_time():
 def test_audio_helpers(tmp_path):
     pcm = audio.speech_like(2.0, seed=1)
     assert pcm.dtype == np.float32 and len(pcm) == 48000 and np.abs(pcm).max() <= 1
-    levels = [audio.level_db(f) for f in audio.frames(pcm)]
+    levels = [audio.level_db(f) for f in split_frames(pcm)]
     assert max(levels) > -30 and min(levels) < -45  # voiced syllables and pauses
-    chunks = audio.frames(np.ones(2000, np.float32))
-    assert len(chunks) == 2 and chunks[1][79] == 1 and chunks[1][80] == 0
     stereo = np.stack([pcm[:16000], pcm[:16000]], axis=1)
     import soundfile as sf
 
     sf.write(tmp_path / "s.wav", stereo, 16000)
     back = audio.read_audio(str(tmp_path / "s.wav"))
     assert abs(len(back) - 24000) <= 2
+    with pytest.raises(audio.InputError, match="too short"):
+        audio.read_audio(tmp_path / "s.wav", min_samples=48000)
+    with pytest.raises(audio.InputError, match="cannot read audio"):
+        audio.read_audio(tmp_path / "missing.wav")
     config = LoadTestConfig(duration=1.0, input=str(tmp_path / "s.wav"))
     frames = input_frames(config)
     assert len(frames) == config.frames == 12 and all(len(f) == 1920 for f in frames)
@@ -168,9 +173,47 @@ def test_endpoints_and_pcm16():
     assert endpoint(ConnectOptions(url="https://h/v1/realtime?x=1")) == "wss://h/v1/realtime?x=1"
     assert endpoint(ConnectOptions(url="127.0.0.1:8998")) == "ws://127.0.0.1:8998/v1/realtime"
     x = np.linspace(-1, 1, 1920, dtype=np.float32)
-    assert np.abs(decode_pcm16(encode_pcm16(x)) - x).max() < 1e-4
+    assert np.abs(pcm_from_base64(pcm16_base64(x)) - x).max() < 1e-4
     with pytest.raises(ValueError):
-        decode_pcm16("not base64!")
+        pcm_from_base64("not base64!")
     with pytest.raises(ValueError):
-        decode_pcm16("AAAA")  # three bytes: not pcm16
+        pcm_from_base64("AAAA")  # three bytes: not pcm16
     assert session_counts("1,2, 4") == [1, 2, 4]
+
+
+def test_split_frames_pads_the_last_frame():
+    assert FRAME_SIZE == 1920
+    chunks = split_frames(np.ones(2000, np.float32))
+    assert chunks.shape == (2, 1920) and chunks.dtype == np.float32 and chunks[1][79] == 1 and chunks[1][80] == 0
+    assert split_frames(np.zeros(0, np.float32)).shape == (1, 1920)  # at least one frame
+    batch = split_frames(np.ones((3, 20), np.float32), 8)  # a leading batch axis is kept
+    assert batch.shape == (3, 3, 8) and batch[:, 2, 3].tolist() == [1, 1, 1] and batch[:, 2, 4].tolist() == [0, 0, 0]
+
+
+# A Python without matplotlib (`sys.modules[name] = None` makes every import of it fail), running `duplexd loadtest`
+# with the arguments given against an address where a socket listens but nothing answers.
+WITHOUT_MATPLOTLIB = """
+import argparse, sys
+sys.modules["matplotlib"] = None
+from duplexd.clients import loadtest_cli
+parser = argparse.ArgumentParser()
+loadtest_cli.add_parser(parser.add_subparsers())
+args = parser.parse_args(sys.argv[1:])
+assert loadtest_cli.plot_path(None) is None  # the default plot is skipped, not required
+sys.exit(args.func(args))
+"""
+
+
+def test_loadtest_plot_without_matplotlib_fails_at_start(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"ws://127.0.0.1:{server.getsockname()[1]}"
+        run = subprocess.run([sys.executable, "-c", WITHOUT_MATPLOTLIB, "loadtest", "--url", url, "--quiet",
+                              "--duration", "0.2", "--json", "", "--plot", str(tmp_path / "lt.png")],
+                             capture_output=True, text=True, timeout=120)
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected: the run stopped before its first session
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [f"duplexd loadtest: --plot {tmp_path / 'lt.png'}: plotting needs matplotlib: "
+                                       "pip install 'duplexd[plot]'"]
+    assert not (tmp_path / "lt.png").exists()

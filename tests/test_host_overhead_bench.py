@@ -51,6 +51,9 @@ def test_classify_takes_the_innermost_matching_frame():
     assert ho.classify(pcm16, "event-loop") == "codec"
     b64 = pcm16[:-1]  # base64 of the audio is framing: only the pcm16 conversion is the codec
     assert ho.classify(b64, "event-loop") == "framing"
+    shared = root + ["AudioDeltas.__call__ (server/realtime_events.py:190)", "pcm16_base64 (duplexd/wire.py:100)"]
+    assert ho.classify(shared, "event-loop") == "framing"  # the same split in the shared wire-format module
+    assert ho.classify(shared + ["pcm16 (duplexd/wire.py:82)"], "event-loop") == "codec"
     push = root + ["Pump.push (server/pump.py:125)", "Session.push (engine/session.py:80)"]
     assert ho.classify(push, "event-loop") == "engine"
     assert ho.classify(root + ["Pump._write (server/pump.py:140)"], "event-loop") == "server"
