@@ -83,7 +83,7 @@ def ensure_demo(root: Path | None = None) -> DemoFiles:
         return files
     root.mkdir(parents=True, exist_ok=True)
     logger.info("writing the demo model (random weights, it speaks noise) to %s", root)
-    corpus = resources.files(__package__).joinpath("data", "demo_corpus.txt").read_text(encoding="utf-8")
+    corpus = (resources.files(__package__) / "data" / "demo_corpus.txt").read_text(encoding="utf-8")
     _atomic_write(files.tokenizer, lambda p: train_tokenizer(corpus.splitlines(), p, TOKENIZER_VOCAB))
     cfg = dataclasses.replace(DEMO, text_card=TextTokenizer(files.tokenizer).vocab_size)
     model = random_lm(cfg, DEMO_SEED)

@@ -27,6 +27,6 @@ except ImportError:  # pragma: no cover - exercised on platforms without Triton 
         def cdiv(a: int, b: int) -> int:
             return -(-a // b)
 
-    triton = tl = _NoTriton()  # type: ignore[assignment]
+    triton = tl = _NoTriton()  # type: ignore[assignment, unused-ignore]  # (used where triton is absent)
 
 __all__ = ["HAS_TRITON", "tl", "triton"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import platform
 import subprocess
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
 
@@ -51,7 +51,7 @@ def build_time() -> datetime | None:
         metadata = next((f for f in dist.files or () if f.name in ("METADATA", "PKG-INFO")), None)
         if metadata is None:
             return None
-        return datetime.fromtimestamp(Path(str(dist.locate_file(metadata))).stat().st_mtime, UTC)
+        return datetime.fromtimestamp(Path(str(dist.locate_file(metadata))).stat().st_mtime, timezone.utc)
     except (PackageNotFoundError, OSError, ValueError):
         return None
 

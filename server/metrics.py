@@ -86,7 +86,12 @@ class Metrics:
     def subscribe(self, runtime: Runtime) -> Callable[[], None]:
         stops = [engine.on_step(self.on_step) for engine in runtime.engines]
         stops += [engine.on_dropped(self.on_dropped) for engine in runtime.engines]
-        return lambda: [stop() for stop in stops if callable(stop)]
+
+        def unsubscribe() -> None:
+            for stop in stops:
+                stop()
+
+        return unsubscribe
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,6 +20,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
@@ -85,7 +86,7 @@ async def receive(ws: WebSocket, timeout: float | None = None) -> dict:
         raise Disconnected(str(e)) from None
     if message["type"] == "websocket.disconnect":
         raise Disconnected(f"client left (close code {message.get('code')})", message.get("code"))
-    return message
+    return cast(dict, message)  # starlette's Message is a dict typed as a MutableMapping
 
 
 def message_size(message: dict) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import Mapping
+from typing import Any
 
 from duplexd.engine.config import ConfigError, SamplingParams
 
@@ -26,7 +27,7 @@ def sampling_from_query(query: Mapping[str, str], base: SamplingParams | None = 
     """`SamplingParams` from the Rust server's sampling parameters (temperatures, top-k, repetition penalty,
     pad_mult) and a seed; other parameters are ignored. Raises `BadQuery` naming the bad parameter."""
     base = base or SamplingParams(seed=new_seed())
-    values: dict[str, float | int] = {}
+    values: dict[str, Any] = {}
     for name in FLOATS + INTS:
         if name in query:
             values[name] = _number(name, query[name], float if name in FLOATS else int)
@@ -44,7 +45,7 @@ def max_frames_from_query(query: Mapping[str, str]) -> int | None:
     """The Rust server's `max_steps` (frames of 80 ms), if given."""
     if "max_steps" not in query:
         return None
-    steps = _number("max_steps", query["max_steps"], int)
+    steps = int(_number("max_steps", query["max_steps"], int))
     if steps < 1:
         raise BadQuery("max_steps must be >= 1")
     return steps

@@ -62,7 +62,7 @@ class AudioFormat(BaseModel):
     """GA `session.audio.*.format`: only what the model speaks (fields the API adds are ignored)."""
 
     type: Literal["audio/pcm"]
-    rate: Literal[24000] = SAMPLE_RATE
+    rate: Literal[24000] = 24000  # wire.SAMPLE_RATE, spelt out: a Literal takes no names
 
 
 class AudioSide(BaseModel):
