@@ -14,7 +14,8 @@ from pydantic import ByteSize, Field, PrivateAttr, ValidationError, field_valida
 from pydantic.config import JsonDict
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-FRAME_RATE = 12.5  # Mimi frames per second (80 ms each)
+from duplexd.wire import FRAME_RATE
+
 ENV_PREFIX = "DUPLEXD_"
 # The LM presets `--random-weights` serves, each with the Mimi preset its codebooks match.
 RANDOM_WEIGHTS_MIMI = {"moshi-7b": "mimi", "demo": "demo"}
