@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from duplexd.clients.audio import speech_like, write_wav
@@ -65,6 +67,13 @@ def save(page, tmp_path: Path, name: str) -> Path:
     return shot
 
 
+def wait_until_idle(server, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx2.get(f"{server.url}/ready", timeout=5).json().get("admissible_sessions") != 1:
+        assert time.monotonic() < deadline, "the server's slot never came free"
+        time.sleep(0.1)
+
+
 def frames(page) -> int:
     return int(page.inner_text("#frames-received"))
 
@@ -80,9 +89,9 @@ def test_talks_hears_and_reads_the_model(server, page, tmp_path):
     first = page.inner_text("#first-audio")
     assert first.endswith("ms")
     save(page, tmp_path, "web-chat.png")
-    before = frames(page)
-    page.wait_for_timeout(800)
-    assert frames(page) >= before + 5  # still streaming: about 12.5 frames a second
+    before = frames(page)  # still streaming (12.5 frames a second; generous on a loaded machine)
+    page.wait_for_function(f"Number(document.getElementById('frames-received').textContent) >= {before + 5}",
+                           timeout=5000)
     page.click("#stop")
     page.wait_for_selector("#state[data-state=idle]")
     assert page.is_hidden("#message")
@@ -99,6 +108,7 @@ def test_refused_session_says_the_server_is_full(server, page, tmp_path):
         await asyncio.to_thread(release.wait, 30)
         await conn.close()
 
+    wait_until_idle(server)  # the previous test's session may still be closing
     holder = threading.Thread(target=lambda: asyncio.run(hold()))
     holder.start()
     try:
