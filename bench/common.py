@@ -28,8 +28,13 @@ def side_by_side(run: Callable[[int], tuple[float, float]], result: dict, batche
         dx_ms, ref_ms = run(batch)
         ratio = dx_ms / ref_ms
         print(f"{batch:>5} {dx_ms:>11.2f} {ref_ms:>13.2f} {ratio:>7.3f}")
-        result.update({f"duplexd_ms_b{batch}": round(dx_ms, 3), f"reference_ms_b{batch}": round(ref_ms, 3),
-                       f"ratio_b{batch}": round(ratio, 3)})
+        result.update(
+            {
+                f"duplexd_ms_b{batch}": round(dx_ms, 3),
+                f"reference_ms_b{batch}": round(ref_ms, 3),
+                f"ratio_b{batch}": round(ratio, 3),
+            }
+        )
 
 
 def parse_args(doc: str) -> argparse.Namespace:

@@ -35,8 +35,15 @@ from duplexd.engine.engine import Engine, EngineConfig  # noqa: E402
 from duplexd.wire import split_frames  # noqa: E402
 from tests.ref_models import reference_lm, reference_mimi  # noqa: E402
 
-CONFIG = LMConfig(dim=512, num_heads=8, num_layers=6, depformer_dim=256,
-                  depformer_dim_feedforward=int(4.125 * 256), depformer_num_heads=4, depformer_num_layers=2)
+CONFIG = LMConfig(
+    dim=512,
+    num_heads=8,
+    num_layers=6,
+    depformer_dim=256,
+    depformer_dim_feedforward=int(4.125 * 256),
+    depformer_num_heads=4,
+    depformer_num_layers=2,
+)
 PARAMS = SamplingParams()  # the reference defaults: text 0.7 / 25, audio 0.8 / 250
 FS = DEMO_MIMI.frame_size
 
@@ -68,12 +75,17 @@ def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int) -> float:
     started = time.perf_counter()
     for s in range(sessions):
         pcm = torch.from_numpy(split_frames(_audio(frames, s), FS))
-        gen = RefLMGen(ref_lm, temp=PARAMS.audio_temperature, top_k=PARAMS.audio_topk,
-                       temp_text=PARAMS.text_temperature, top_k_text=PARAMS.text_topk)
+        gen = RefLMGen(
+            ref_lm,
+            temp=PARAMS.audio_temperature,
+            top_k=PARAMS.audio_topk,
+            temp_text=PARAMS.text_temperature,
+            top_k_text=PARAMS.text_topk,
+        )
         with gen.streaming(1), ref_mimi.streaming(1):
             for f in range(frames):
                 codes = ref_mimi.encode(pcm[None, None, f])
-                tokens = gen.step(codes[:, :CONFIG.num_user_codebooks])
+                tokens = gen.step(codes[:, : CONFIG.num_user_codebooks])
                 if tokens is not None:
                     ref_mimi.decode(tokens[:, 1:])
     return sessions * frames / (time.perf_counter() - started)
@@ -107,15 +119,18 @@ def main() -> None:
     ref_mimi = reference_mimi(seed=0, mimi_config=DEMO_MIMI.to_reference_dict())
     lm = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, CONFIG))
     mimi = through_checkpoint(ref_mimi.state_dict(), lambda path: load_mimi(path, DEMO_MIMI))
-    engine = Engine(lm, mimi, config=EngineConfig(max_sessions=max(counts), threads=args.threads,
-                                                    max_pending_frames=args.frames))
+    engine = Engine(
+        lm, mimi, config=EngineConfig(max_sessions=max(counts), threads=args.threads, max_pending_frames=args.frames)
+    )
     engine.start()
     on_own_thread(reference_fps, ref_lm, ref_mimi, 1, args.warmup, threads=args.threads)
     duplexd_fps(engine, 1, args.warmup)
 
-    print(f"engine throughput, CPU fp32, {args.threads} threads, {args.frames} frames per session; LM "
-          f"{CONFIG.dim} x {CONFIG.num_layers}, DepFormer {CONFIG.depformer_dim} x {CONFIG.depformer_num_layers}, "
-          f"demo Mimi")
+    print(
+        f"engine throughput, CPU fp32, {args.threads} threads, {args.frames} frames per session; LM "
+        f"{CONFIG.dim} x {CONFIG.num_layers}, DepFormer {CONFIG.depformer_dim} x {CONFIG.depformer_num_layers}, "
+        f"demo Mimi"
+    )
     # Sequential, so the rate does not depend on N.
     ref = on_own_thread(reference_fps, ref_lm, ref_mimi, 2, args.frames, threads=args.threads)
     print(f"{'sessions':>8} {'duplexd fps':>12} {'reference fps':>14} {'ratio':>7}")

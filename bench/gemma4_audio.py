@@ -77,8 +77,13 @@ def audio(seconds: float, seed: int = 0) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, nargs="+", default=[3.0, 10.0, 30.0], help="utterance lengths")
-    ap.add_argument("--batch", type=float, nargs="*", default=[2.0, 5.0, 10.0, 20.0],
-                    help="lengths of one padded batch of files (nothing = skip the batch case)")
+    ap.add_argument(
+        "--batch",
+        type=float,
+        nargs="*",
+        default=[2.0, 5.0, 10.0, 20.0],
+        help="lengths of one padded batch of files (nothing = skip the batch case)",
+    )
     ap.add_argument("--iters", type=int, default=3, help="timed calls per case (after one warm-up)")
     ap.add_argument("--stream-steps", type=int, default=25, help="80 ms steps per streaming run")
     ap.add_argument("--slots", type=int, nargs="*", default=[1, 8], help="streaming batch sizes (nothing = skip)")
@@ -91,8 +96,10 @@ def main() -> None:
     t0 = time.perf_counter()
     hf, ours = build()
     fe = Gemma4AudioFeatureExtractor()
-    print(f"built models ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M params) "
-          f"in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"built models ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M params) "
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
 
     rows: list[tuple[str, float, float]] = []
     result: dict = {"bench": "gemma4_audio", "threads": torch.get_num_threads(), "whole": {}, "stream": {}}
@@ -112,9 +119,12 @@ def main() -> None:
             err = float((a - b).abs().max() / a.abs().max())
             t_hf, t_ours = timed_pair(run_hf, run_ours, args.iters)
             rows.append((f"whole {sec:g} s", sec / t_hf, sec / t_ours))
-            result["whole"][f"{sec:g}s"] = {"hf_audio_s_per_s": round(sec / t_hf, 3),
-                                            "duplexd_audio_s_per_s": round(sec / t_ours, 3),
-                                            "ratio": round(t_hf / t_ours, 3), "max_rel_err": float(f"{err:.2e}")}
+            result["whole"][f"{sec:g}s"] = {
+                "hf_audio_s_per_s": round(sec / t_hf, 3),
+                "duplexd_audio_s_per_s": round(sec / t_ours, 3),
+                "ratio": round(t_hf / t_ours, 3),
+                "max_rel_err": float(f"{err:.2e}"),
+            }
 
         if args.batch:
             ws = [audio(sec, seed=i) for i, sec in enumerate(args.batch)]
@@ -132,8 +142,12 @@ def main() -> None:
             sec = sum(args.batch)
             name = "batch " + "+".join(f"{x:g}" for x in args.batch) + " s"
             rows.append((name, sec / t_hf, sec / t_ours))
-            result["batch"] = {"seconds": args.batch, "hf_audio_s_per_s": round(sec / t_hf, 3),
-                               "duplexd_audio_s_per_s": round(sec / t_ours, 3), "ratio": round(t_hf / t_ours, 3)}
+            result["batch"] = {
+                "seconds": args.batch,
+                "hf_audio_s_per_s": round(sec / t_hf, 3),
+                "duplexd_audio_s_per_s": round(sec / t_ours, 3),
+                "ratio": round(t_hf / t_ours, 3),
+            }
 
         steps = args.stream_steps
         for slots in args.slots:
@@ -147,8 +161,10 @@ def main() -> None:
                 for i in range(steps):
                     ours.encode_step(state, idx, pcm[:, i * CHUNK : (i + 1) * CHUNK])
 
-            feats = [fe([w[i * CHUNK : (i + 1) * CHUNK] for w in ws], return_tensors="pt")["input_features"]
-                     for i in range(steps)]
+            feats = [
+                fe([w[i * CHUNK : (i + 1) * CHUNK] for w in ws], return_tensors="pt")["input_features"]
+                for i in range(steps)
+            ]
             # HF's extractor yields 7 frames for an isolated 1280-sample chunk; pad to the 8 a stream step has.
             feats = [torch.nn.functional.pad(f, (0, 0, 0, 8 - f.shape[1])) for f in feats]
 
@@ -160,8 +176,11 @@ def main() -> None:
             t_hf, t_ours = timed_pair(run_hf_chunks, run_stream, max(1, args.iters - 1))
             rows.append((f"stream {slots} slot{'s' if slots > 1 else ''}", sec / t_hf, sec / t_ours))
             result["stream"][f"{slots}_slots"] = {
-                "hf_audio_s_per_s": round(sec / t_hf, 3), "duplexd_audio_s_per_s": round(sec / t_ours, 3),
-                "ratio": round(t_hf / t_ours, 3), "ms_per_step": round(1000 * t_ours / steps, 1)}
+                "hf_audio_s_per_s": round(sec / t_hf, 3),
+                "duplexd_audio_s_per_s": round(sec / t_ours, 3),
+                "ratio": round(t_hf / t_ours, 3),
+                "ms_per_step": round(1000 * t_ours / steps, 1),
+            }
 
     print()
     print(f"{'case':<24}{'transformers':>14}{'duplexd':>12}{'ratio':>9}   (audio seconds per second)")

@@ -89,15 +89,23 @@ class BatchResult:
         return self.status == OK and p99 is not None and p99 <= budget_ms
 
     def to_dict(self, budget_ms: float) -> dict:
-        out: dict[str, object] = {"batch": self.batch, "status": self.status, "bucket": self.bucket,
-                                  "samples": len(self.samples_ms)}
+        out: dict[str, object] = {
+            "batch": self.batch,
+            "status": self.status,
+            "bucket": self.bucket,
+            "samples": len(self.samples_ms),
+        }
         if self.samples_ms:
             p50 = self.stat(50)
             out.update({f"p{q}_ms": round(self.stat(q), 3) for q in (50, 90, 99)})
-            out.update({"max_ms": round(max(self.samples_ms), 3),
-                        "mean_ms": round(sum(self.samples_ms) / len(self.samples_ms), 3),
-                        "session_frames_per_s": round(1000 * self.batch / p50, 1),
-                        "meets_budget": self.meets(budget_ms)})
+            out.update(
+                {
+                    "max_ms": round(max(self.samples_ms), 3),
+                    "mean_ms": round(sum(self.samples_ms) / len(self.samples_ms), 3),
+                    "session_frames_per_s": round(1000 * self.batch / p50, 1),
+                    "meets_budget": self.meets(budget_ms),
+                }
+            )
         if self.error:
             out["error"] = self.error
         return out
@@ -115,8 +123,9 @@ class Sweep:
         return next((r for r in self.results if r.batch == batch), None)
 
 
-def find_capacity(measure: Callable[[int], BatchResult], grid: Sequence[int], limit: int, budget_ms: float,
-                  granularity: int = 1) -> Sweep:
+def find_capacity(
+    measure: Callable[[int], BatchResult], grid: Sequence[int], limit: int, budget_ms: float, granularity: int = 1
+) -> Sweep:
     """Largest batch whose p99 step meets `budget_ms`: the grid upward until a batch misses or does not fit, then
     bisection between the largest that met it and the smallest that did not (or `limit` + 1: the KV pool admits
     `limit`), over multiples of `granularity` and `limit` itself. Assumes step time grows with the batch. Stops
@@ -180,13 +189,14 @@ def _released(engine: Engine, before: EngineStats, timeout: float) -> str:
         if now.active_sessions <= before.active_sessions and now.kv_pages_used <= before.kv_pages_used:
             return ""
         if time.monotonic() > deadline:
-            return (f"slots or KV pages not given back within {timeout:g} s: {now.active_sessions} sessions and "
-                    f"{now.kv_pages_used} pages in use, {before.active_sessions} and {before.kv_pages_used} before")
+            return (
+                f"slots or KV pages not given back within {timeout:g} s: {now.active_sessions} sessions and "
+                f"{now.kv_pages_used} pages in use, {before.active_sessions} and {before.kv_pages_used} before"
+            )
         time.sleep(0.005)
 
 
-def _drive(engine: Engine, sessions: list, steps: int, position: int, timeout: float,
-           records: list[StepRecord]) -> str:
+def _drive(engine: Engine, sessions: list, steps: int, position: int, timeout: float, records: list[StepRecord]) -> str:
     """Warm-up frame, seek to `position`, then the timed frames; "" when every output came back, else why not."""
     frame = np.zeros(engine.frame_size, np.float32)
     for s in sessions:  # the first frame resets each slot on the loop thread and only fills the acoustic delay
@@ -245,17 +255,25 @@ def measure(engine: Engine, batch: int, steps: int, position: int, timeout: floa
             error = _drive(engine, sessions, steps, position, timeout, records)
             full = [r for r in records if r.batch_size == batch]
             if not error and len(full) < WARM_STEPS + steps:
-                error = (f"only {len(full)} steps of all {batch} sessions ({len(records) - len(full)} partial), "
-                         f"{WARM_STEPS + steps} needed")
+                error = (
+                    f"only {len(full)} steps of all {batch} sessions ({len(records) - len(full)} partial), "
+                    f"{WARM_STEPS + steps} needed"
+                )
             timed = full[WARM_STEPS : WARM_STEPS + steps]
-            result = BatchResult(batch, FAILED if error else OK, [1000 * r.seconds for r in timed],
-                                 timed[-1].bucket if timed else None, error)
+            result = BatchResult(
+                batch,
+                FAILED if error else OK,
+                [1000 * r.seconds for r in timed],
+                timed[-1].bucket if timed else None,
+                error,
+            )
     finally:
         for s in sessions:
             s.close()
     if leaked := _released(engine, before, timeout):
-        result = BatchResult(batch, FAILED, result.samples_ms, result.bucket, "; ".join(filter(None, [
-            result.error, leaked])))
+        result = BatchResult(
+            batch, FAILED, result.samples_ms, result.bucket, "; ".join(filter(None, [result.error, leaked]))
+        )
     return result
 
 
@@ -268,7 +286,8 @@ def pool_sessions(lm: LMModel, mimi: MimiModel, config: EngineConfig) -> int:
     def fits(slots: int) -> bool:
         try:
             return pool_pages(lm, mimi, dataclasses.replace(config, max_sessions=slots), per_session) >= (
-                slots * per_session)
+                slots * per_session
+            )
         except ConfigError:
             return False
 
@@ -289,14 +308,29 @@ def buckets_for(grid: Sequence[int], limit: int, granularity: int) -> tuple[int,
 
 
 def table(sweep: Sweep, budget_ms: float) -> str:
-    head = ["batch", "bucket", "steps", "p50 ms", "p90 ms", "p99 ms", "max ms", "session-frames/s",
-            f"p99 <= {budget_ms:g} ms"]
+    head = [
+        "batch",
+        "bucket",
+        "steps",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "max ms",
+        "session-frames/s",
+        f"p99 <= {budget_ms:g} ms",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + "---|"]
     for r in sorted(sweep.results, key=lambda r: r.batch):
         if r.samples_ms and r.status == OK:
-            cells = [str(r.batch), str(r.bucket), str(len(r.samples_ms)),
-                     *(f"{r.stat(q):.2f}" for q in (50, 90, 99)), f"{max(r.samples_ms):.2f}",
-                     f"{1000 * r.batch / r.stat(50):.0f}", "yes" if r.meets(budget_ms) else "no"]
+            cells = [
+                str(r.batch),
+                str(r.bucket),
+                str(len(r.samples_ms)),
+                *(f"{r.stat(q):.2f}" for q in (50, 90, 99)),
+                f"{max(r.samples_ms):.2f}",
+                f"{1000 * r.batch / r.stat(50):.0f}",
+                "yes" if r.meets(budget_ms) else "no",
+            ]
         else:
             cells = [str(r.batch), "", "", "", "", "", "", "", f"{r.status}: {r.error}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -307,19 +341,28 @@ def headline(sweep: Sweep, limit: int, budget_ms: float, granularity: int) -> li
     """The result in words: capacity and batch-1 step, or the failure (and then no capacity)."""
     if sweep.failed is not None:
         f = sweep.failed
-        return [f"FAILED at batch {f.batch}: {f.error}", "no capacity is claimed: a batch whose steps fail is not "
-                "real-time, whatever its step times"]
-    bound = ("the KV pool admits no more: memory, not step time, is the limit" if sweep.capacity == limit
-             else f"the KV pool admits {limit}; bisected to within {granularity}")
-    lines = [f"capacity: {sweep.capacity} real-time sessions (largest batch with p99 step <= {budget_ms:g} ms, "
-             f"Mimi + LM + host copies; {bound})"]
+        return [
+            f"FAILED at batch {f.batch}: {f.error}",
+            "no capacity is claimed: a batch whose steps fail is not real-time, whatever its step times",
+        ]
+    bound = (
+        "the KV pool admits no more: memory, not step time, is the limit"
+        if sweep.capacity == limit
+        else f"the KV pool admits {limit}; bisected to within {granularity}"
+    )
+    lines = [
+        f"capacity: {sweep.capacity} real-time sessions (largest batch with p99 step <= {budget_ms:g} ms, "
+        f"Mimi + LM + host copies; {bound})"
+    ]
     one = sweep.result(1)
     if one is not None and one.samples_ms:
         lines.append(f"batch-1 step: p50 {one.stat(50):.2f} ms, p99 {one.stat(99):.2f} ms")
     few = [r.batch for r in sweep.results if r.samples_ms and len(r.samples_ms) < MIN_P99_SAMPLES]
     if few:
-        lines.append(f"note: fewer than {MIN_P99_SAMPLES} timed steps at batch {', '.join(map(str, few))}: each p99 "
-                     "there is little more than the maximum of its samples")
+        lines.append(
+            f"note: fewer than {MIN_P99_SAMPLES} timed steps at batch {', '.join(map(str, few))}: each p99 "
+            "there is little more than the maximum of its samples"
+        )
     return lines
 
 
@@ -346,8 +389,19 @@ def write_report(out: Path, report: dict, markdown: str) -> None:
 
 def last_line(report: dict) -> str:
     """One flat JSON object (the form docs/BENCHMARKS.md quotes)."""
-    flat = {k: report[k] for k in ("bench", "device", "preset", "status", "realtime_sessions", "kv_sessions",
-                                   "batch1_p50_ms", "batch1_p99_ms")}
+    flat = {
+        k: report[k]
+        for k in (
+            "bench",
+            "device",
+            "preset",
+            "status",
+            "realtime_sessions",
+            "kv_sessions",
+            "batch1_p50_ms",
+            "batch1_p99_ms",
+        )
+    }
     for b in report["batches"]:
         if "p50_ms" in b:
             flat[f"p50_ms_b{b['batch']}"], flat[f"p99_ms_b{b['batch']}"] = b["p50_ms"], b["p99_ms"]
@@ -359,18 +413,27 @@ def last_line(report: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+",
-                        help="grid, run upward before the bisection; 1 is always measured (default "
-                        "1 8 32 48 64 72 80 on CUDA, 1 2 4 on CPU)")
-    parser.add_argument("--steps", type=int,
-                        help=f"timed steps per batch (default {MIN_P99_SAMPLES} on CUDA, {CPU_STEPS} on CPU)")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        help="grid, run upward before the bisection; 1 is always measured (default "
+        "1 8 32 48 64 72 80 on CUDA, 1 2 4 on CPU)",
+    )
+    parser.add_argument(
+        "--steps", type=int, help=f"timed steps per batch (default {MIN_P99_SAMPLES} on CUDA, {CPU_STEPS} on CPU)"
+    )
     parser.add_argument("--position", type=int, default=2999, help="conversation position of every session")
     parser.add_argument("--granularity", type=int, default=4, help="bisect over multiples of this")
     parser.add_argument("--budget-ms", type=float, default=FRAME_MS, help="p99 step budget")
     parser.add_argument("--session-frames", type=int, default=None, help="cap session length (fewer KV pages)")
     parser.add_argument("--kv-memory", type=int, default=None, help="KV pool bytes (default: the engine's rule)")
-    parser.add_argument("--max-sessions", type=int, default=None,
-                        help="slots before the KV pool's limit (default 256 on CUDA, the largest grid batch on CPU)")
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="slots before the KV pool's limit (default 256 on CUDA, the largest grid batch on CPU)",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any one output")
     parser.add_argument("--preset", default="moshi-7b", choices=sorted(PRESETS))
     parser.add_argument("--device", default="cuda")
@@ -401,38 +464,64 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     lm, mimi = random_models(args.preset, args.device, dtype)
     frames = args.steps + WARM_STEPS + EXTRA_FRAMES
-    base = EngineConfig(max_sessions=args.max_sessions or (256 if cuda else max(grid)), kv_memory=args.kv_memory,
-                        max_session_frames=args.session_frames, max_pending_frames=frames,
-                        max_output_frames=frames, device=args.device)
+    base = EngineConfig(
+        max_sessions=args.max_sessions or (256 if cuda else max(grid)),
+        kv_memory=args.kv_memory,
+        max_session_frames=args.session_frames,
+        max_pending_frames=frames,
+        max_output_frames=frames,
+        device=args.device,
+    )
     fit = pool_sessions(lm, mimi, base)
     buckets = buckets_for(grid, fit, args.granularity) if cuda else None
     engine = Engine(lm, mimi, config=dataclasses.replace(base, max_sessions=fit, buckets=buckets))
     engine.start()
     limit = engine.stats().admissible_sessions
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"models + warm-up: {time.perf_counter() - started:.0f} s; KV pool {engine.kv.num_pages} pages, "
-          f"{limit} sessions fit; buckets {buckets}")
-    print(f"{args.preset} on {name}, position {args.position}, {args.steps} timed steps per batch, "
-          f"p99 budget {args.budget_ms:g} ms")
+    print(
+        f"models + warm-up: {time.perf_counter() - started:.0f} s; KV pool {engine.kv.num_pages} pages, "
+        f"{limit} sessions fit; buckets {buckets}"
+    )
+    print(
+        f"{args.preset} on {name}, position {args.position}, {args.steps} timed steps per batch, "
+        f"p99 budget {args.budget_ms:g} ms"
+    )
 
-    meta = {"bench": "gpu_capacity", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "device": name, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__, "position": args.position, "steps": args.steps,
-            "budget_ms": args.budget_ms, "granularity": args.granularity, "grid": grid, "kv_sessions": limit,
-            "kv_pages": engine.kv.num_pages, "session_frames": args.session_frames}
+    meta = {
+        "bench": "gpu_capacity",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": name,
+        "preset": args.preset,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "position": args.position,
+        "steps": args.steps,
+        "budget_ms": args.budget_ms,
+        "granularity": args.granularity,
+        "grid": grid,
+        "kv_sessions": limit,
+        "kv_pages": engine.kv.num_pages,
+        "session_frames": args.session_frames,
+    }
     title = f"{args.preset} on {name}, {meta['date']}: step time (ms) at position {args.position}"
     done: list[BatchResult] = []
 
     def run(batch: int) -> BatchResult:
         result = measure(engine, batch, args.steps, args.position, args.timeout)
-        shown = (f"p50 {result.stat(50):.2f} ms, p99 {result.stat(99):.2f} ms" if result.status == OK
-                 else f"{result.status}: {result.error}")
+        shown = (
+            f"p50 {result.stat(50):.2f} ms, p99 {result.stat(99):.2f} ms"
+            if result.status == OK
+            else f"{result.status}: {result.error}"
+        )
         print(f"batch {batch}: {shown}", flush=True)
         done.append(result)
         if args.out:
             partial = Sweep(done, None)
-            write_report(args.out, summary(partial, meta, args.budget_ms, finished=False),
-                         "\n\n".join([title + " (unfinished)", table(partial, args.budget_ms)]))
+            write_report(
+                args.out,
+                summary(partial, meta, args.budget_ms, finished=False),
+                "\n\n".join([title + " (unfinished)", table(partial, args.budget_ms)]),
+            )
         return result
 
     try:

@@ -52,38 +52,68 @@ def cases(batches: list[int], lengths: list[int], dev: str = "cuda"):
     for b in batches:
         x, r = torch.randn(b, DIM, device=dev, dtype=BF16), torch.randn(b, DIM, device=dev, dtype=BF16)
         alpha = torch.rand(DIM, device=dev, dtype=BF16) + 0.5
-        yield ("rms_norm", f"B={b}", 2 * x.numel() * 2, lambda x=x, a=alpha: rn.rms_norm_triton(x, a),
-               lambda x=x, a=alpha: rn.rms_norm_reference(x, a),
-               lambda x=x, a=alpha: _tol(rn.rms_norm_triton(x, a), rn.rms_norm_reference(x.float(), a.float()), 2e-2))
-        yield ("add_rms_norm", f"B={b}", 4 * x.numel() * 2,
-               lambda x=x, r=r, a=alpha: rn.rms_norm_triton(x, a, residual=r),
-               lambda x=x, r=r, a=alpha: rn.add_rms_norm_reference(x, r, a),
-               lambda x=x, r=r, a=alpha: _tol(rn.rms_norm_triton(x, a, residual=r)[0],
-                                              rn.rms_norm_reference((r.float() + x.float()), a.float()), 5e-2))
+        yield (
+            "rms_norm",
+            f"B={b}",
+            2 * x.numel() * 2,
+            lambda x=x, a=alpha: rn.rms_norm_triton(x, a),
+            lambda x=x, a=alpha: rn.rms_norm_reference(x, a),
+            lambda x=x, a=alpha: _tol(rn.rms_norm_triton(x, a), rn.rms_norm_reference(x.float(), a.float()), 2e-2),
+        )
+        yield (
+            "add_rms_norm",
+            f"B={b}",
+            4 * x.numel() * 2,
+            lambda x=x, r=r, a=alpha: rn.rms_norm_triton(x, a, residual=r),
+            lambda x=x, r=r, a=alpha: rn.add_rms_norm_reference(x, r, a),
+            lambda x=x, r=r, a=alpha: _tol(
+                rn.rms_norm_triton(x, a, residual=r)[0], rn.rms_norm_reference((r.float() + x.float()), a.float()), 5e-2
+            ),
+        )
 
         qkv = torch.randn(b, 3, HEADS, HEAD_DIM, device=dev, dtype=BF16)
         cos, sin = rope.rope_angles(torch.randint(0, 5000, (b,), device=dev), HEAD_DIM, 10_000.0)
-        yield ("rope_qk", f"B={b}", 4 * b * DIM * 2,
-               lambda t=qkv, c=cos, s=sin: rope.rope_qk_triton(t[:, 0], t[:, 1], c, s),
-               lambda t=qkv, c=cos, s=sin: rope.rope_qk_reference(t[:, 0], t[:, 1], c, s),
-               lambda t=qkv, c=cos, s=sin: _tol(rope.rope_qk_triton(t[:, 0], t[:, 1], c, s)[0],
-                                                rope.apply_rope(t[:, 0].float(), c, s), 3e-2))
+        yield (
+            "rope_qk",
+            f"B={b}",
+            4 * b * DIM * 2,
+            lambda t=qkv, c=cos, s=sin: rope.rope_qk_triton(t[:, 0], t[:, 1], c, s),
+            lambda t=qkv, c=cos, s=sin: rope.rope_qk_reference(t[:, 0], t[:, 1], c, s),
+            lambda t=qkv, c=cos, s=sin: _tol(
+                rope.rope_qk_triton(t[:, 0], t[:, 1], c, s)[0], rope.apply_rope(t[:, 0].float(), c, s), 3e-2
+            ),
+        )
 
         gv = torch.randn(b, 2 * HIDDEN, device=dev, dtype=BF16)
-        yield ("silu_gate", f"B={b}", 3 * b * HIDDEN * 2, lambda g=gv: silu_gate.silu_gate_triton(g),
-               lambda g=gv: silu_gate.silu_gate_reference(g),
-               lambda g=gv: _tol(silu_gate.silu_gate_triton(g), silu_gate.silu_gate_reference(g.float()), 3e-2))
+        yield (
+            "silu_gate",
+            f"B={b}",
+            3 * b * HIDDEN * 2,
+            lambda g=gv: silu_gate.silu_gate_triton(g),
+            lambda g=gv: silu_gate.silu_gate_reference(g),
+            lambda g=gv: _tol(silu_gate.silu_gate_triton(g), silu_gate.silu_gate_reference(g.float()), 3e-2),
+        )
 
         # The engine's streams: 0 for the text token, 1 + step for the DepFormer's codebooks (1 is the value an
         # int argument is specialised on, so both must launch).
         for vocab, temp, k, stream in ((TEXT_CARD, 0.7, 25, 0), (CARD, 0.8, 250, 1)):
             logits = torch.randn(b, vocab, device=dev) * 3
-            args = (logits, torch.full((b,), temp, device=dev), torch.full((b,), k, device=dev),
-                    torch.arange(b, device=dev), torch.full((b,), 17, device=dev), stream)
-            yield (f"sample V={vocab}", f"B={b} s={stream}", logits.numel() * 4,
-                   lambda a=args: sampling.sample_triton(*a),
-                   lambda a=args: sampling.sample_reference(*a),
-                   lambda a=args: _same(sampling.sample_triton(*a), sampling.sample_reference(*a)))
+            args = (
+                logits,
+                torch.full((b,), temp, device=dev),
+                torch.full((b,), k, device=dev),
+                torch.arange(b, device=dev),
+                torch.full((b,), 17, device=dev),
+                stream,
+            )
+            yield (
+                f"sample V={vocab}",
+                f"B={b} s={stream}",
+                logits.numel() * 4,
+                lambda a=args: sampling.sample_triton(*a),
+                lambda a=args: sampling.sample_reference(*a),
+                lambda a=args: _same(sampling.sample_triton(*a), sampling.sample_reference(*a)),
+            )
 
         for length in lengths:
             q = torch.randn(b, HEADS, HEAD_DIM, device=dev, dtype=BF16)
@@ -95,10 +125,18 @@ def cases(batches: list[int], lengths: list[int], dev: str = "cuda"):
             lens = torch.full((b,), length, device=dev)
             moved = 2 * b * length * DIM * 2 + 2 * b * DIM * 2
             call = (q, kp, vp, table, lens, WINDOW)
-            yield ("decode_attention", f"B={b} L={length}", moved, lambda c=call: da.decode_attention_triton(*c),
-                   lambda c=call: da.decode_attention_reference(*c),
-                   lambda c=call: _tol(da.decode_attention_triton(*c), da.decode_attention_reference(
-                       c[0].float(), c[1].float(), c[2].float(), *c[3:]), 2e-2))
+            yield (
+                "decode_attention",
+                f"B={b} L={length}",
+                moved,
+                lambda c=call: da.decode_attention_triton(*c),
+                lambda c=call: da.decode_attention_reference(*c),
+                lambda c=call: _tol(
+                    da.decode_attention_triton(*c),
+                    da.decode_attention_reference(c[0].float(), c[1].float(), c[2].float(), *c[3:]),
+                    2e-2,
+                ),
+            )
             del kp, vp
 
 
@@ -126,8 +164,10 @@ def main() -> int:
     torch.manual_seed(0)
     copy_bw = copy_bandwidth(args.reps)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    print(f"{'kernel':<18} {'shape':<14} {'check':<22} {'triton us':>10} {'eager us':>10} {'speedup':>8} "
-          f"{'GB/s':>7} {'of copy':>8}")
+    print(
+        f"{'kernel':<18} {'shape':<14} {'check':<22} {'triton us':>10} {'eager us':>10} {'speedup':>8} "
+        f"{'GB/s':>7} {'of copy':>8}"
+    )
     rows = []
     for name, shape, moved, triton_fn, eager_fn, check in cases(args.batches, args.lengths):
         ok, detail = check()
@@ -135,16 +175,31 @@ def main() -> int:
         if ok:
             t_ms, e_ms = _bench_ms(triton_fn, args.reps), _bench_ms(eager_fn, args.reps)
             bw = moved / (t_ms * 1e-3)
-            row.update(triton_us=round(1e3 * t_ms, 2), eager_us=round(1e3 * e_ms, 2),
-                       speedup=round(e_ms / t_ms, 2), gbps=round(bw / 1e9, 1), of_copy=round(bw / copy_bw, 3))
-            print(f"{name:<18} {shape:<14} {detail:<22} {1e3 * t_ms:>10.1f} {1e3 * e_ms:>10.1f} "
-                  f"{e_ms / t_ms:>8.2f} {bw / 1e9:>7.0f} {bw / copy_bw:>8.2f}")
+            row.update(
+                triton_us=round(1e3 * t_ms, 2),
+                eager_us=round(1e3 * e_ms, 2),
+                speedup=round(e_ms / t_ms, 2),
+                gbps=round(bw / 1e9, 1),
+                of_copy=round(bw / copy_bw, 3),
+            )
+            print(
+                f"{name:<18} {shape:<14} {detail:<22} {1e3 * t_ms:>10.1f} {1e3 * e_ms:>10.1f} "
+                f"{e_ms / t_ms:>8.2f} {bw / 1e9:>7.0f} {bw / copy_bw:>8.2f}"
+            )
         else:
             print(f"{name:<18} {shape:<14} FAILED {detail}")
         rows.append(row)
         torch.cuda.empty_cache()
-    print(json.dumps({"bench": "gpu_kernels", "device": torch.cuda.get_device_name(),
-                      "copy_gbps": round(copy_bw / 1e9, 1), "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "gpu_kernels",
+                "device": torch.cuda.get_device_name(),
+                "copy_gbps": round(copy_bw / 1e9, 1),
+                "rows": rows,
+            }
+        )
+    )
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -91,11 +91,16 @@ def ms_per_session_s(cpu_seconds: float, session_seconds: float) -> float:
 
 # (category, file pattern, function pattern or None); the innermost frame of a stack that matches decides.
 RULES: tuple[tuple[str, re.Pattern, re.Pattern | None], ...] = tuple(
-    (cat, re.compile(path), re.compile(func) if func else None) for cat, path, func in (
+    (cat, re.compile(path), re.compile(func) if func else None)
+    for cat, path, func in (
         ("codec", r"(^|/)server/opus\.py$|(^|/)sphn/", None),
         ("codec", r"(^|/)duplexd/wire\.py$|(^|/)server/realtime_events\.py$", r"^(pcm16|pcm16_bytes|pcm_from_pcm16)$"),
-        ("framing", r"(^|/)(websockets|wsproto|h11|json|orjson)/|(^|/)uvicorn/protocols/|(^|/)starlette/websockets\.py$"
-         r"|(^|/)base64\.py$|(^|/)server/(protocol|realtime_events)\.py$|(^|/)duplexd/wire\.py$", None),
+        (
+            "framing",
+            r"(^|/)(websockets|wsproto|h11|json|orjson)/|(^|/)uvicorn/protocols/|(^|/)starlette/websockets\.py$"
+            r"|(^|/)base64\.py$|(^|/)server/(protocol|realtime_events)\.py$|(^|/)duplexd/wire\.py$",
+            None,
+        ),
         ("engine", r"(^|/)engine/|(^|/)torch/", None),
         ("metrics", r"(^|/)prometheus_client/|(^|/)server/(latency|metrics)\.py$", None),
         ("asyncio", r"(^|/)(asyncio|uvloop|anyio|concurrent)/|(^|/)threading\.py$", None),
@@ -231,21 +236,25 @@ class Run:
         cats = attribute(self.cpu, self.samples) if self.samples else {}
         lateness = [c["send_lateness_ms"]["p99"] or 0.0 for c in self.clients]
         return {
-            "protocol": self.protocol, "sessions": self.sessions, "window_s": round(self.window_s, 2),
+            "protocol": self.protocol,
+            "sessions": self.sessions,
+            "window_s": round(self.window_s, 2),
             "cpu_ms_per_session_s": round(self.per_session_s(self.cpu["total"]), 3),
             "cpu_ms_per_session_s_wall": round(ms_per_session_s(self.cpu["total"], self.sessions * self.window_s), 3),
             "cores": round(self.cpu["total"] / self.window_s, 3),
-            "threads_ms_per_session_s": {g: round(self.per_session_s(self.cpu.get(g, 0.0)), 3)
-                                         for g in ("event-loop", "engine-loop", "other")},
+            "threads_ms_per_session_s": {
+                g: round(self.per_session_s(self.cpu.get(g, 0.0)), 3) for g in ("event-loop", "engine-loop", "other")
+            },
             "groups_ms_per_session_s": {g: round(self.per_session_s(v), 3) for g, v in groups(cats).items()},
             "categories_ms_per_session_s": {c: round(self.per_session_s(v), 3) for c, v in sorted(cats.items())},
             "profile_samples": sum(sum(v.values()) for v in self.samples.values()),
             "served_frac": round(self.served_frac, 4),
-            "steps_per_s": round(self.steps / self.window_s, 2), "mean_batch": round(self.frames_in / self.steps, 2)
-            if self.steps else None,
-            "server_late_frames": int(self.late), "server_late_frac": round(self.late / self.run_frames_out, 5)
-            if self.run_frames_out else None,
-            "dropped_in": int(self.dropped_in), "dropped_out": int(self.dropped_out),
+            "steps_per_s": round(self.steps / self.window_s, 2),
+            "mean_batch": round(self.frames_in / self.steps, 2) if self.steps else None,
+            "server_late_frames": int(self.late),
+            "server_late_frac": round(self.late / self.run_frames_out, 5) if self.run_frames_out else None,
+            "dropped_in": int(self.dropped_in),
+            "dropped_out": int(self.dropped_out),
             "client_late_frac": max((c["late_frac"] for c in self.clients), default=None),
             "client_errors": sum(c["errors"] + c["refused"] for c in self.clients),
             "client_send_late_p99_ms": round(max(lateness), 1) if lateness else None,
@@ -265,13 +274,34 @@ def read_counters(path: Path) -> tuple[int, int, int]:
 
 
 def start_server(port: int, max_sessions: int, step_ms: float, log: Path, counters: Path) -> subprocess.Popen:
-    cmd = [sys.executable, str(HERE / "host_overhead_server.py"), "--step-ms", str(step_ms), "--", "serve",
-           "--port", str(port), "--max-sessions", str(max_sessions), "--max-pending-frames", "250",
-           "--max-output-frames", "250", "--idle-timeout", "120", "--send-timeout", "60", "--static", "none",
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        str(HERE / "host_overhead_server.py"),
+        "--step-ms",
+        str(step_ms),
+        "--",
+        "serve",
+        "--port",
+        str(port),
+        "--max-sessions",
+        str(max_sessions),
+        "--max-pending-frames",
+        "250",
+        "--max-output-frames",
+        "250",
+        "--idle-timeout",
+        "120",
+        "--send-timeout",
+        "60",
+        "--static",
+        "none",
+        "--log-level",
+        "warning",
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HOST_OVERHEAD_COUNTERS": str(counters)})
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HOST_OVERHEAD_COUNTERS": str(counters)}
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -313,8 +343,9 @@ def wait_quiet(server: subprocess.Popen, url: str, timeout: float = 180.0) -> No
     raise RuntimeError("the server did not go idle between runs")
 
 
-def run_one(args: argparse.Namespace, server: subprocess.Popen, url: str, protocol: str, sessions: int,
-            tmp: Path) -> Run:
+def run_one(
+    args: argparse.Namespace, server: subprocess.Popen, url: str, protocol: str, sessions: int, tmp: Path
+) -> Run:
     wait_quiet(server, url)
     m0 = fetch_metrics(url)
     counters = Path(os.environ["HOST_OVERHEAD_COUNTERS"])
@@ -322,9 +353,29 @@ def run_one(args: argparse.Namespace, server: subprocess.Popen, url: str, protoc
     clients = []
     for i, n in enumerate(split(sessions, args.clients or -(-sessions // args.sessions_per_client))):
         report = tmp / f"{protocol}-{sessions}-{i}.json"
-        cmd = [sys.executable, "-m", "duplexd", "loadtest", "--url", url.replace("http", "ws", 1), "--protocol",
-               protocol, "--sessions", str(n), "--duration", str(args.duration), "--ramp", str(args.ramp),
-               "--quiet", "--json", str(report), "--plot", "", "--seed", str(i)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "duplexd",
+            "loadtest",
+            "--url",
+            url.replace("http", "ws", 1),
+            "--protocol",
+            protocol,
+            "--sessions",
+            str(n),
+            "--duration",
+            str(args.duration),
+            "--ramp",
+            str(args.ramp),
+            "--quiet",
+            "--json",
+            str(report),
+            "--plot",
+            "",
+            "--seed",
+            str(i),
+        ]
         log = open(tmp / f"{protocol}-{sessions}-{i}.log", "wb")  # noqa: SIM115 - closed below
         clients.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), report, log))
     try:
@@ -346,10 +397,26 @@ def run_one(args: argparse.Namespace, server: subprocess.Popen, url: str, protoc
         profile = tmp / f"{protocol}-{sessions}.raw"
         spy = None
         if args.profile:
-            spy = subprocess.Popen([args.py_spy, "record", "--pid", str(server.pid), "--duration",
-                                    str(int(args.window)), "--rate", str(args.rate), "--format", "raw",
-                                    "--threads", "--nonblocking", "-o", str(profile)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = subprocess.Popen(
+                [
+                    args.py_spy,
+                    "record",
+                    "--pid",
+                    str(server.pid),
+                    "--duration",
+                    str(int(args.window)),
+                    "--rate",
+                    str(args.rate),
+                    "--format",
+                    "raw",
+                    "--threads",
+                    "--nonblocking",
+                    "-o",
+                    str(profile),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         k0, c0, t0 = read_counters(counters), cpu_snapshot(server.pid), time.monotonic()
         time.sleep(args.window)
         k1, c1, t1 = read_counters(counters), cpu_snapshot(server.pid), time.monotonic()
@@ -385,8 +452,10 @@ def run_one(args: argparse.Namespace, server: subprocess.Popen, url: str, protoc
 
 
 def table(summaries: Iterable[dict]) -> str:
-    head = ("| protocol | sessions | CPU ms/session-s | (wall) | cores | event loop | engine thread | other threads "
-            "| codec | framing | engine | rest | served | steps/s | batch | late (server) | send late p99 |")
+    head = (
+        "| protocol | sessions | CPU ms/session-s | (wall) | cores | event loop | engine thread | other threads "
+        "| codec | framing | engine | rest | served | steps/s | batch | late (server) | send late p99 |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         t, g = s["threads_ms_per_session_s"], s["groups_ms_per_session_s"]
@@ -396,7 +465,8 @@ def table(summaries: Iterable[dict]) -> str:
             f"{t['engine-loop']:.2f} | {t['other']:.2f} | {g.get('codec', 0):.2f} | {g.get('framing', 0):.2f} | "
             f"{g.get('engine', 0):.2f} | {g.get('rest', 0):.2f} | {s['served_frac']:.3f} | {s['steps_per_s']:.1f} | "
             f"{s['mean_batch']} | {s['server_late_frames']} ({100 * (s['server_late_frac'] or 0):.2f} %) | "
-            f"{s['client_send_late_p99_ms']} |")
+            f"{s['client_send_late_p99_ms']} |"
+        )
     return "\n".join(lines)
 
 

@@ -57,13 +57,18 @@ class StandIn:
         speech = speech_like(VARIANTS * frame_size / DEMO_MIMI.sample_rate + 1.0, seed=seed)[: VARIANTS * frame_size]
         frames = split_frames(speech, frame_size)
         # Row r of variant v plays frame (v + r) of the speech, so rows differ and no stream repeats every frame.
-        self.pcm = [torch.from_numpy(np.stack([frames[(v + r) % VARIANTS]
-                                               for r in range(max_rows)])) for v in range(VARIANTS)]
-        text = np.where(rng.random((VARIANTS, max_rows)) < TEXT_RATE,
-                        rng.integers(4, vocab, (VARIANTS, max_rows)), DEMO.text_padding_token_id)
+        self.pcm = [
+            torch.from_numpy(np.stack([frames[(v + r) % VARIANTS] for r in range(max_rows)])) for v in range(VARIANTS)
+        ]
+        text = np.where(
+            rng.random((VARIANTS, max_rows)) < TEXT_RATE,
+            rng.integers(4, vocab, (VARIANTS, max_rows)),
+            DEMO.text_padding_token_id,
+        )
         codes = rng.integers(0, DEMO.card, (VARIANTS, max_rows, DEMO.dep_q))
-        self.tokens = [torch.from_numpy(np.concatenate([text[v][:, None], codes[v]], axis=1)).long()
-                       for v in range(VARIANTS)]
+        self.tokens = [
+            torch.from_numpy(np.concatenate([text[v][:, None], codes[v]], axis=1)).long() for v in range(VARIANTS)
+        ]
         self.step_seconds = step_seconds
         # steps, frames in, frames out: read by the bench from this file without going through the event loop
         # (which answers /metrics late, or not at all, once it has fallen behind).

@@ -24,18 +24,34 @@ from duplexd.engine.lm_gen import LMGen  # noqa: E402
 from tests.ref_models import reference_lm  # noqa: E402
 
 # Mid-size: d_model 1024 × 8 layers, DepFormer 512 × 2 layers, real vocabularies and context.
-CONFIG = LMConfig(dim=1024, num_heads=16, num_layers=8, depformer_dim=512,
-                  depformer_dim_feedforward=int(4.125 * 512), depformer_num_heads=8, depformer_num_layers=2)
+CONFIG = LMConfig(
+    dim=1024,
+    num_heads=16,
+    num_layers=8,
+    depformer_dim=512,
+    depformer_dim_feedforward=int(4.125 * 512),
+    depformer_num_heads=8,
+    depformer_num_layers=2,
+)
 # The reference LMGen defaults, used on both sides.
 PARAMS = SamplingParams(text_temperature=0.7, text_topk=25, audio_temperature=0.8, audio_topk=250)
 
 
 @torch.no_grad()
 def run(batch: int, ref_lm, model, frames: int, warmup: int) -> tuple[float, float]:
-    codes = torch.randint(0, CONFIG.card, (frames + warmup, batch, CONFIG.num_user_codebooks),
-                          generator=torch.Generator().manual_seed(batch))
-    ref = RefLMGen(ref_lm, temp=PARAMS.audio_temperature, top_k=PARAMS.audio_topk,
-                   temp_text=PARAMS.text_temperature, top_k_text=PARAMS.text_topk)
+    codes = torch.randint(
+        0,
+        CONFIG.card,
+        (frames + warmup, batch, CONFIG.num_user_codebooks),
+        generator=torch.Generator().manual_seed(batch),
+    )
+    ref = RefLMGen(
+        ref_lm,
+        temp=PARAMS.audio_temperature,
+        top_k=PARAMS.audio_topk,
+        temp_text=PARAMS.text_temperature,
+        top_k_text=PARAMS.text_topk,
+    )
     with ref.streaming(batch):
         ref_ms = median_ms(lambda c: ref.step(c[:, :, None]), codes, warmup)
     gen = LMGen(model, num_slots=batch)
@@ -54,8 +70,10 @@ def main() -> None:
 
     result: dict[str, object] = {"bench": "lm_step"}
     print(f"LM step, CPU fp32, {args.threads} threads, median of {args.frames} frames after {args.warmup} warm-up")
-    print(f"config: dim {CONFIG.dim} x {CONFIG.num_layers} layers, depformer {CONFIG.depformer_dim} x "
-          f"{CONFIG.depformer_num_layers}, text_card {CONFIG.text_card}, context {CONFIG.context}")
+    print(
+        f"config: dim {CONFIG.dim} x {CONFIG.num_layers} layers, depformer {CONFIG.depformer_dim} x "
+        f"{CONFIG.depformer_num_layers}, text_card {CONFIG.text_card}, context {CONFIG.context}"
+    )
     side_by_side(lambda batch: run(batch, ref_lm, model, args.frames, args.warmup), result)
     print(json.dumps(result))
 

@@ -49,8 +49,10 @@ def main() -> None:
                 linear = _median_ms(lambda: [F.linear(x, w) for w in weights])  # noqa: B023
                 plain = _median_ms(lambda: [x @ w for w in transposed])  # noqa: B023
                 packed = _median_ms(lambda: [matmul(x, w) for w in transposed])  # noqa: B023
-            print(f"{out_f:>6}x{in_f:<5} {batch:>5} {gbytes / linear * 1e3:>14.1f} {gbytes / plain * 1e3:>11.1f} "
-                  f"{gbytes / packed * 1e3:>16.1f}")
+            print(
+                f"{out_f:>6}x{in_f:<5} {batch:>5} {gbytes / linear * 1e3:>14.1f} {gbytes / plain * 1e3:>11.1f} "
+                f"{gbytes / packed * 1e3:>16.1f}"
+            )
             result[f"x@w_speedup_{out_f}x{in_f}_b{batch}"] = round(linear / plain, 2)
             result[f"cpu_matmul_speedup_{out_f}x{in_f}_b{batch}"] = round(linear / packed, 2)
     print(json.dumps(result))

@@ -73,8 +73,10 @@ def main() -> None:
     model = through_checkpoint(ref.state_dict(), lambda path: load_mimi(path, MIMI))
 
     result: dict[str, object] = {"bench": "mimi_step"}
-    print(f"Mimi encode + decode of one frame, CPU fp32, {args.threads} threads, "
-          f"median of {args.frames} frames after {args.warmup} warm-up")
+    print(
+        f"Mimi encode + decode of one frame, CPU fp32, {args.threads} threads, "
+        f"median of {args.frames} frames after {args.warmup} warm-up"
+    )
     side_by_side(lambda batch: run(batch, ref, model, args.frames, args.warmup), result)
     demo = demo_ms(8, args.frames, args.warmup)
     print(f"demo Mimi (dim {DEMO_MIMI.dimension}, {DEMO_MIMI.n_filters} filters), 8 slots: {demo:.2f} ms per frame")

@@ -37,8 +37,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--frames {args.frames}: must be at least 1")
     device = check_device(args.device)
     try:
-        params = SamplingParams(args.text_temperature, args.text_topk, args.audio_temperature, args.audio_topk,
-                                args.seed)
+        params = SamplingParams(
+            args.text_temperature, args.text_topk, args.audio_temperature, args.audio_topk, args.seed
+        )
     except ConfigError as e:
         raise ConfigError(f"--text-temperature, --text-topk, --audio-temperature, --audio-topk: {e}") from None
     cfg = check_lm_files(str(args.weights), args.config and str(args.config), option="weights")
@@ -48,8 +49,13 @@ def _generate(args: argparse.Namespace) -> int:
     tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
     gen = LMGen(model, num_slots=1)
     gen.reset(0, params)
-    codes = torch.randint(0, model.cfg.card, (args.frames, model.cfg.num_user_codebooks),
-                          generator=torch.Generator().manual_seed(args.seed), device="cpu").to(device)
+    codes = torch.randint(
+        0,
+        model.cfg.card,
+        (args.frames, model.cfg.num_user_codebooks),
+        generator=torch.Generator().manual_seed(args.seed),
+        device="cpu",
+    ).to(device)
     slot = torch.tensor([0], device=device)
     started = time.perf_counter()
     pad = set(model.cfg.silent_text_ids)
@@ -107,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except (InputRefused, ConfigError, SettingsError, infer.InputError) as e:

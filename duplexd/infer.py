@@ -45,8 +45,14 @@ def prepare(args: argparse.Namespace) -> tuple[str, ModelFiles, SamplingParams]:
         params = SamplingParams(args.temp_text, args.topk_text, args.temp, args.topk, args.seed)
     except ConfigError as e:
         raise ConfigError(f"--temp, --temp-text, --topk, --topk-text: {e}") from None
-    files = model_files(moshi_weight=args.moshi_weight, mimi_weight=args.mimi_weight, tokenizer=args.tokenizer,
-                        config=args.config, hf_repo=args.hf_repo, mimi_preset=args.mimi_preset)
+    files = model_files(
+        moshi_weight=args.moshi_weight,
+        mimi_weight=args.mimi_weight,
+        tokenizer=args.tokenizer,
+        config=args.config,
+        hf_repo=args.hf_repo,
+        mimi_preset=args.mimi_preset,
+    )
     check_model_files(files)
     return device, files, params
 
@@ -83,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     audio_out = torch.cat(speech).numpy() if speech else np.zeros(0, np.float32)
     sf.write(str(args.output), audio_out, mimi.cfg.sample_rate)
-    logger.info("%d frames in, %.2f s of speech written to %s", len(frames), len(audio_out) / mimi.cfg.sample_rate,
-                args.output)
+    logger.info(
+        "%d frames in, %.2f s of speech written to %s", len(frames), len(audio_out) / mimi.cfg.sample_rate, args.output
+    )
     return 0
 
 

@@ -63,16 +63,23 @@ def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
     for i in range(cfg.num_layers):
         pre, dst = f"transformer.layers.{i}.", f"layers.{i}."
         attn = (
-            [_linear(pre + "self_attn.in_projs.0.weight", (3 * d, d), dst + "wqkv"),
-             _linear(pre + "self_attn.out_projs.0.weight", (d, d), dst + "wo")]
-            if naming == "module" else
-            [_linear(pre + "self_attn.in_proj_weight", (3 * d, d), dst + "wqkv"),
-             _linear(pre + "self_attn.out_proj.weight", (d, d), dst + "wo")]
+            [
+                _linear(pre + "self_attn.in_projs.0.weight", (3 * d, d), dst + "wqkv"),
+                _linear(pre + "self_attn.out_projs.0.weight", (d, d), dst + "wo"),
+            ]
+            if naming == "module"
+            else [
+                _linear(pre + "self_attn.in_proj_weight", (3 * d, d), dst + "wqkv"),
+                _linear(pre + "self_attn.out_proj.weight", (d, d), dst + "wo"),
+            ]
         )
-        rows += [KeyMap(pre + "norm1.alpha", (1, 1, d), dst + "attn_norm"), *attn,
-                 KeyMap(pre + "norm2.alpha", (1, 1, d), dst + "mlp_norm"),
-                 _linear(pre + "gating.linear_in.weight", (2 * cfg.hidden, d), dst + "w_in"),
-                 _linear(pre + "gating.linear_out.weight", (d, cfg.hidden), dst + "w_out")]
+        rows += [
+            KeyMap(pre + "norm1.alpha", (1, 1, d), dst + "attn_norm"),
+            *attn,
+            KeyMap(pre + "norm2.alpha", (1, 1, d), dst + "mlp_norm"),
+            _linear(pre + "gating.linear_in.weight", (2 * cfg.hidden, d), dst + "w_in"),
+            _linear(pre + "gating.linear_out.weight", (d, cfg.hidden), dst + "w_out"),
+        ]
     rows.append(KeyMap("out_norm.alpha", (1, 1, d), "out_norm"))
     rows += [_linear(f"depformer_in.{k}.weight", (dd, d), "dep_in", k) for k in range(q)]
     rows += [KeyMap(f"depformer_emb.{k}.weight", (card + 1, dd), "dep_audio_emb", k) for k in range(q - 1)]
@@ -80,17 +87,23 @@ def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
     hid = cfg.depformer_hidden
     for i in range(cfg.depformer_num_layers):
         pre, dst = f"depformer.layers.{i}.", f"dep_layers.{i}."
-        rows += [KeyMap(pre + "norm1.alpha", (1, 1, dd), dst + "attn_norm"),
-                 KeyMap(pre + "norm2.alpha", (1, 1, dd), dst + "mlp_norm")]
+        rows += [
+            KeyMap(pre + "norm1.alpha", (1, 1, dd), dst + "attn_norm"),
+            KeyMap(pre + "norm2.alpha", (1, 1, dd), dst + "mlp_norm"),
+        ]
         if naming == "module":
             rows += [_linear(pre + f"self_attn.in_projs.{k}.weight", (3 * dd, dd), dst + "wqkv", k) for k in range(q)]
             rows += [_linear(pre + f"self_attn.out_projs.{k}.weight", (dd, dd), dst + "wo", k) for k in range(q)]
         else:
-            rows += [_linear(pre + "self_attn.in_proj_weight", (q * 3 * dd, dd), dst + "wqkv"),
-                     _linear(pre + "self_attn.out_proj.weight", (q * dd, dd), dst + "wo")]
+            rows += [
+                _linear(pre + "self_attn.in_proj_weight", (q * 3 * dd, dd), dst + "wqkv"),
+                _linear(pre + "self_attn.out_proj.weight", (q * dd, dd), dst + "wo"),
+            ]
         for k in range(q):
-            rows += [_linear(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), dst + "w_in", k),
-                     _linear(pre + f"gating.{k}.linear_out.weight", (dd, hid), dst + "w_out", k)]
+            rows += [
+                _linear(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), dst + "w_in", k),
+                _linear(pre + f"gating.{k}.linear_out.weight", (dd, hid), dst + "w_out", k),
+            ]
     rows += [_linear(f"linears.{k}.weight", (card, dd), "dep_heads", k) for k in range(q)]
     return rows
 
@@ -239,16 +252,22 @@ def load_lm(
 
 MIMI_NAME = "tokenizer-e351c8d8-checkpoint125.safetensors"
 # Codebook buffer names of older checkpoints (the reference's `EuclideanCodebook._load_from_state_dict`).
-_OLD_CODEBOOK_NAMES = {"inited": "_initialized", "cluster_size": "cluster_usage",
-                       "embed_avg": "embedding_sum", "embed_sum": "embedding_sum"}
+_OLD_CODEBOOK_NAMES = {
+    "inited": "_initialized",
+    "cluster_size": "cluster_usage",
+    "embed_avg": "embedding_sum",
+    "embed_sum": "embedding_sum",
+}
 
 
 def mimi_key_map(model: MimiModel, naming: str) -> list[KeyMap]:
     """Every tensor of a reference Mimi checkpoint in the given naming ("module" or "fused")."""
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {NAMINGS}")
-    return [KeyMap(key, shape, name, transposed=transposed)
-            for key, name, shape, transposed in reference_keys(model, naming)]
+    return [
+        KeyMap(key, shape, name, transposed=transposed)
+        for key, name, shape, transposed in reference_keys(model, naming)
+    ]
 
 
 def _normalise_mimi(key: str) -> str:
@@ -265,8 +284,9 @@ def _mimi_tensors(model: MimiModel) -> dict[str, torch.Tensor]:
 
 def load_mimi_weights(model: MimiModel, path: Path) -> str:
     """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`."""
-    return load_mapped(_mimi_tensors(model), path, lambda naming: mimi_key_map(model, naming), _normalise_mimi,
-                       what="Mimi ")
+    return load_mapped(
+        _mimi_tensors(model), path, lambda naming: mimi_key_map(model, naming), _normalise_mimi, what="Mimi "
+    )
 
 
 def save_mimi_weights(model: MimiModel, path: str | Path, naming: str = "module") -> None:

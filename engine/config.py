@@ -156,9 +156,21 @@ _REFERENCE_DEFAULTS: dict[str, Any] = {
 # Keys with no effect on inference here: depformer_context is overridden to None by the reference itself;
 # the rest name files or generation defaults.
 _IGNORED = {
-    "depformer_context", "extra_heads_dim", "moshi_name", "mimi_name", "mimi_config_name", "tokenizer_name",
-    "lora_name", "model_type", "lm_gen_config", "tts_config", "stt_config", "model_id", "lora_rank",
-    "lora_scaling", "depformer_kv_repeat",
+    "depformer_context",
+    "extra_heads_dim",
+    "moshi_name",
+    "mimi_name",
+    "mimi_config_name",
+    "tokenizer_name",
+    "lora_name",
+    "model_type",
+    "lm_gen_config",
+    "tts_config",
+    "stt_config",
+    "model_id",
+    "lora_rank",
+    "lora_scaling",
+    "depformer_kv_repeat",
 }
 
 
@@ -315,22 +327,54 @@ class MimiConfig:
         """The reference's `mimi_config` form (`loaders._mimi_config`), for `loaders.get_mimi(None, it)`."""
         d = self.dimension
         seanet = {
-            "channels": self.channels, "dimension": d, "causal": True, "n_filters": self.n_filters,
-            "n_residual_layers": self.n_residual_layers, "activation": "ELU", "compress": self.compress,
-            "dilation_base": self.dilation_base, "disable_norm_outer_blocks": 0, "kernel_size": self.kernel_size,
-            "residual_kernel_size": self.residual_kernel_size, "last_kernel_size": self.last_kernel_size,
-            "norm": "none", "pad_mode": "constant", "ratios": list(self.ratios), "true_skip": True,
+            "channels": self.channels,
+            "dimension": d,
+            "causal": True,
+            "n_filters": self.n_filters,
+            "n_residual_layers": self.n_residual_layers,
+            "activation": "ELU",
+            "compress": self.compress,
+            "dilation_base": self.dilation_base,
+            "disable_norm_outer_blocks": 0,
+            "kernel_size": self.kernel_size,
+            "residual_kernel_size": self.residual_kernel_size,
+            "last_kernel_size": self.last_kernel_size,
+            "norm": "none",
+            "pad_mode": "constant",
+            "ratios": list(self.ratios),
+            "true_skip": True,
         }
-        quantizer = {"dimension": self.codebook_dim, "n_q": self.n_q, "bins": self.card,
-                     "input_dimension": d, "output_dimension": d}
+        quantizer = {
+            "dimension": self.codebook_dim,
+            "n_q": self.n_q,
+            "bins": self.card,
+            "input_dimension": d,
+            "output_dimension": d,
+        }
         transformer = {
-            "d_model": d, "num_heads": self.num_heads, "num_layers": self.num_layers, "causal": True,
-            "layer_scale": self.layer_scale, "context": self.context, "conv_layout": True,
-            "max_period": self.max_period, "gating": "none", "norm": "layer_norm", "positional_embedding": "rope",
-            "dim_feedforward": self.dim_feedforward, "input_dimension": d, "output_dimensions": [d],
+            "d_model": d,
+            "num_heads": self.num_heads,
+            "num_layers": self.num_layers,
+            "causal": True,
+            "layer_scale": self.layer_scale,
+            "context": self.context,
+            "conv_layout": True,
+            "max_period": self.max_period,
+            "gating": "none",
+            "norm": "layer_norm",
+            "positional_embedding": "rope",
+            "dim_feedforward": self.dim_feedforward,
+            "input_dimension": d,
+            "output_dimensions": [d],
         }
-        return {"sample_rate": self.sample_rate, "channels": self.channels, "frame_rate": self.frame_rate,
-                "seanet": seanet, "quantizer": quantizer, "transformer": transformer}
+        return {
+            "sample_rate": self.sample_rate,
+            "channels": self.channels,
+            "frame_rate": self.frame_rate,
+            "seanet": seanet,
+            "quantizer": quantizer,
+            "transformer": transformer,
+        }
 
 
 MIMI = MimiConfig()

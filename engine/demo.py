@@ -90,7 +90,11 @@ def ensure_demo(root: Path | None = None) -> DemoFiles:
     _atomic_write(files.lm, lambda p: save_lm_weights(model, p, naming="fused"))
     mimi = MimiModel(DEMO_MIMI).init_weights_(DEMO_SEED)
     _atomic_write(files.mimi, lambda p: save_mimi_weights(mimi, p, naming="fused"))
-    config = {**cfg.to_reference_json(), "moshi_name": MOSHI_NAME, "mimi_name": MIMI_NAME,
-              "tokenizer_name": TOKENIZER_NAME}
+    config = {
+        **cfg.to_reference_json(),
+        "moshi_name": MOSHI_NAME,
+        "mimi_name": MIMI_NAME,
+        "tokenizer_name": TOKENIZER_NAME,
+    }
     _atomic_write(files.config, lambda p: p.write_text(json.dumps(config, indent=2)))
     return files

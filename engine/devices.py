@@ -39,8 +39,9 @@ def check_device(name: str, option: str = "device") -> str:
             raise DeviceError(f"{name}: this machine {why}; {pick}", option)
         if device.index is not None and device.index >= count:
             have = ", ".join(f"cuda:{i}" for i in range(count))
-            raise DeviceError(f"{name}: this machine has {count} CUDA device{'s' * (count > 1)} ({have}); {pick}",
-                              option)
+            raise DeviceError(
+                f"{name}: this machine has {count} CUDA device{'s' * (count > 1)} ({have}); {pick}", option
+            )
         return str(device)
     if device.type == "mps":
         if not torch.backends.mps.is_available():

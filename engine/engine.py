@@ -104,8 +104,12 @@ def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: 
         free, _ = torch.cuda.mem_get_info(torch.device(config.device))
         streams = MimiStreams.state_bytes(mimi, config.max_sessions)
         pages = min(wanted, max(free - streams - CUDA_HEADROOM, 0) // page)
-        logger.info("KV pool from CUDA memory: %.2f GiB free, %.2f GiB for Mimi's streams, %.2f GiB kept free",
-                    free / GiB, streams / GiB, CUDA_HEADROOM / GiB)
+        logger.info(
+            "KV pool from CUDA memory: %.2f GiB free, %.2f GiB for Mimi's streams, %.2f GiB kept free",
+            free / GiB,
+            streams / GiB,
+            CUDA_HEADROOM / GiB,
+        )
     else:
         pages = wanted
     if pages < per_session:
@@ -117,8 +121,9 @@ def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: 
 
 
 class Engine:
-    def __init__(self, lm: LMModel, mimi: MimiModel, tokenizer: TextTokenizer | None = None,
-                 config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, lm: LMModel, mimi: MimiModel, tokenizer: TextTokenizer | None = None, config: EngineConfig | None = None
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.device = torch.device(config.device)
         self.sample_rate, self.frame_size = mimi.cfg.sample_rate, mimi.cfg.frame_size
@@ -129,15 +134,25 @@ class Engine:
         self.kv = kv
         logger.info(
             "KV cache: %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",
-            kv.num_pages, page_size, (kv.keys.nbytes + kv.values.nbytes) / GiB,
-            kv.sessions_fit(config.max_session_frames), config.max_sessions,
+            kv.num_pages,
+            page_size,
+            (kv.keys.nbytes + kv.values.nbytes) / GiB,
+            kv.sessions_fit(config.max_session_frames),
+            config.max_sessions,
         )
         self._graphs = config.cuda_graphs and self.device.type == "cuda"
         buckets = config.buckets or default_buckets(config.max_sessions)
         if max(buckets) < config.max_sessions:
             raise ConfigError(f"the largest bucket {max(buckets)} is below max_sessions {config.max_sessions}")
-        self.pipeline = Pipeline(lm, mimi, config.max_sessions, kv, buckets=buckets, graphs=self._graphs,
-                                 pad=self._graphs or config.pad_batches)
+        self.pipeline = Pipeline(
+            lm,
+            mimi,
+            config.max_sessions,
+            kv,
+            buckets=buckets,
+            graphs=self._graphs,
+            pad=self._graphs or config.pad_batches,
+        )
         self.scheduler = Scheduler(kv, self.frame_size, config.max_pending_frames, config.max_output_frames)
         self.runner = Runner(self.pipeline, kv, tokenizer, set(cfg.silent_text_ids))
         self._listeners: list[Callable[[StepRecord], None]] = []
@@ -168,8 +183,7 @@ class Engine:
             self._thread = None
             raise self._start_error
         self.ready = True
-        logger.info("engine ready on %s (%d slots, %d threads)", self.device, self.config.max_sessions,
-                    self._threads)
+        logger.info("engine ready on %s (%d slots, %d threads)", self.device, self.config.max_sessions, self._threads)
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
@@ -229,6 +243,14 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler.snapshot(self.config.max_session_frames)
         return EngineStats(
-            self.config.max_sessions, s.active_sessions, s.admissible_sessions, self.kv.num_pages, s.kv_pages_used,
-            s.steps, s.frames_in, s.frames_out, s.refused, str(self.device),
+            self.config.max_sessions,
+            s.active_sessions,
+            s.admissible_sessions,
+            self.kv.num_pages,
+            s.kv_pages_used,
+            s.steps,
+            s.frames_in,
+            s.frames_out,
+            s.refused,
+            str(self.device),
         )

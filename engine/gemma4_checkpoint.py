@@ -185,9 +185,7 @@ def load_gemma4_audio(
                     target = expected[dst]
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != tuple(target.shape):
-                        raise CheckpointError(
-                            f"shape mismatch for {key}: expected {tuple(target.shape)}, got {shape}"
-                        )
+                        raise CheckpointError(f"shape mismatch for {key}: expected {tuple(target.shape)}, got {shape}")
                     target.copy_(f.get_tensor(key))
     if dtype != torch.float32:  # the front end stays in fp32/fp64
         model.audio_tower.to(dtype=dtype)

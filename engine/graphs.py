@@ -35,8 +35,15 @@ def default_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 class BucketedCall:
-    def __init__(self, fn: Fn, pad_row: Sequence[torch.Tensor], buckets: Sequence[int], *, graphs: bool = False,
-                 pad: bool = False) -> None:
+    def __init__(
+        self,
+        fn: Fn,
+        pad_row: Sequence[torch.Tensor],
+        buckets: Sequence[int],
+        *,
+        graphs: bool = False,
+        pad: bool = False,
+    ) -> None:
         self.fn, self.pad_row, self.buckets = fn, tuple(pad_row), tuple(sorted(buckets))
         self.use_graphs, self.pad = graphs, pad or graphs
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}

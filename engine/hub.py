@@ -48,7 +48,7 @@ def hub_repo(ref: str | Path) -> str | None:
     """The repo id of a hub reference (`hf://org/repo/file` or `org/repo`), None for local files."""
     text = str(ref)
     if text.startswith("hf://"):
-        return "/".join(text[len("hf://"):].split("/", 2)[:2])
+        return "/".join(text[len("hf://") :].split("/", 2)[:2])
     path = Path(text).expanduser()
     if not path.exists() and _REPO_ID.match(text) and path.suffix not in _FILE_SUFFIXES:
         return text
@@ -59,12 +59,12 @@ def resolve_file(ref: str | Path, default_name: str) -> Path:
     """Turn a weights reference into a local file path; `default_name` is used for directories and repo ids."""
     text = str(ref)
     if text.startswith("hf://"):
-        parts = text[len("hf://"):].split("/", 2)
+        parts = text[len("hf://") :].split("/", 2)
         if len(parts) < 3 or not all(parts):
             raise CheckpointError(f"hf:// reference must be hf://org/repo/file, got {text!r}")
         return hub_file(f"{parts[0]}/{parts[1]}", parts[2])
     if text.startswith("file://"):
-        text = text[len("file://"):]
+        text = text[len("file://") :]
     path = Path(text).expanduser()
     if path.is_dir():
         path = path / default_name

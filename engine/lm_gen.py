@@ -65,9 +65,7 @@ class LMGen:
             raise ValueError(f"the KV cache has {kv.num_slots} slots, LMGen {num_slots}")
         self.kv = kv
         self.delays = torch.tensor(cfg.delays, device=device)
-        self.initial = torch.tensor(
-            [cfg.text_initial_token_id] + [cfg.initial_token_id] * cfg.n_q, device=device
-        )
+        self.initial = torch.tensor([cfg.text_initial_token_id] + [cfg.initial_token_id] * cfg.n_q, device=device)
         self.text_temperature = torch.zeros(rows, device=device)
         self.audio_temperature = torch.zeros(rows, device=device)
         self.text_topk = torch.ones(rows, dtype=torch.long, device=device)
@@ -102,15 +100,24 @@ class LMGen:
         self.repetition_context[slot] = params.repetition_penalty_context
         self.pad_mult[slot] = params.pad_mult
 
-    def sample_text(self, slots: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
-                    top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def sample_text(
+        self,
+        slots: torch.Tensor,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
         """The text token of `slots` [B] from `logits` [B, text_card], penalised by each slot's history, which
         then takes the token in (unless it is special)."""
         history = self.text_history[slots]
-        penalised = repetition_penalty(logits, history, self.repetition_penalty[slots],
-                                       self.repetition_context[slots], self.text_skip)
-        text = sample(penalised, temperature, top_k, seeds, positions, 0, self.cfg.text_padding_token_id,
-                      self.pad_mult[slots])
+        penalised = repetition_penalty(
+            logits, history, self.repetition_penalty[slots], self.repetition_context[slots], self.text_skip
+        )
+        text = sample(
+            penalised, temperature, top_k, seeds, positions, 0, self.cfg.text_padding_token_id, self.pad_mult[slots]
+        )
         said = torch.ones_like(text, dtype=torch.bool)
         for token in self.text_skip:
             said &= text != token
@@ -118,12 +125,25 @@ class LMGen:
         self.text_history[slots] = torch.where(said[:, None], shifted, history)
         return text
 
-    def depformer(self, slots, hidden, text_logits, text_temp, text_topk, audio_temp, audio_topk, seeds, positions,
-                  want_logits: bool = False):
+    def depformer(
+        self,
+        slots,
+        hidden,
+        text_logits,
+        text_temp,
+        text_topk,
+        audio_temp,
+        audio_topk,
+        seeds,
+        positions,
+        want_logits: bool = False,
+    ):
         """Sample the text token, then run the DepFormer sampling each codebook: (text [B], DepformerOutput)."""
         text = self.sample_text(slots, text_logits, text_temp, text_topk, seeds, positions)
         out = self.model.forward_depformer(
-            hidden, text, lambda step, logits: sample(logits, audio_temp, audio_topk, seeds, positions, 1 + step),
+            hidden,
+            text,
+            lambda step, logits: sample(logits, audio_temp, audio_topk, seeds, positions, 1 + step),
             want_logits=want_logits,
         )
         return text, out
@@ -148,8 +168,14 @@ class LMGen:
         tokens_in = torch.where(is_initial, self.initial[None, :], column)
 
         view = self.kv.batch(slots, offsets)
-        sampling = (self.text_temperature[slots], self.text_topk[slots], self.audio_temperature[slots],
-                    self.audio_topk[slots], self.seeds[slots], offsets)
+        sampling = (
+            self.text_temperature[slots],
+            self.text_topk[slots],
+            self.audio_temperature[slots],
+            self.audio_topk[slots],
+            self.seeds[slots],
+            offsets,
+        )
         text_logits = audio_logits = None
         hidden, logits = self.model.forward_text(tokens_in, offsets, self.kv, view)
         text, depformer = self.depformer(slots, hidden, logits, *sampling, want_logits=return_logits)

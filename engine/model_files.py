@@ -40,13 +40,26 @@ class ModelFiles:
     hf_repo: str | None = None  # where the references not given explicitly come from
 
 
-def model_files(*, moshi_weight: str | None = None, mimi_weight: str | None = None, tokenizer: str | None = None,
-                config: str | None = None, hf_repo: str | None = None, mimi_preset: str = "mimi") -> ModelFiles:
+def model_files(
+    *,
+    moshi_weight: str | None = None,
+    mimi_weight: str | None = None,
+    tokenizer: str | None = None,
+    config: str | None = None,
+    hf_repo: str | None = None,
+    mimi_preset: str = "mimi",
+) -> ModelFiles:
     """Where the weights come from: explicit files, a Hugging Face repo, or (neither) the demo model."""
     if hf_repo:
         repo = f"hf://{hf_repo}"
-        return ModelFiles(moshi_weight or f"{repo}/{MOSHI_NAME}", mimi_weight or f"{repo}/{MIMI_NAME}",
-                          tokenizer or f"{repo}/{TOKENIZER_NAME}", config, mimi_preset, hf_repo)
+        return ModelFiles(
+            moshi_weight or f"{repo}/{MOSHI_NAME}",
+            mimi_weight or f"{repo}/{MIMI_NAME}",
+            tokenizer or f"{repo}/{TOKENIZER_NAME}",
+            config,
+            mimi_preset,
+            hf_repo,
+        )
     given = {"moshi_weight": moshi_weight, "mimi_weight": mimi_weight, "tokenizer": tokenizer}
     if any(given.values()):
         missing = [name for name, value in given.items() if not value]
@@ -86,7 +99,9 @@ def check_tokenizer(tokenizer: TextTokenizer, cfg: LMConfig, path: str | Path) -
     if tokenizer.vocab_size < cfg.text_card:
         raise CheckpointError(
             f"{path}: the tokenizer has {tokenizer.vocab_size} pieces but the LM writes {cfg.text_card} text tokens; "
-            "pass the tokenizer the LM was trained with", "tokenizer")
+            "pass the tokenizer the LM was trained with",
+            "tokenizer",
+        )
 
 
 def check_lm_files(ref: str, config: str | None, option: str = "moshi_weight") -> LMConfig:

@@ -42,8 +42,17 @@ class Pipeline:
     own size.
     """
 
-    def __init__(self, lm: LMModel, mimi: MimiModel, num_slots: int, kv: PagedKVCache | None = None, *,
-                 buckets: Sequence[int] | None = None, graphs: bool = False, pad: bool = False) -> None:
+    def __init__(
+        self,
+        lm: LMModel,
+        mimi: MimiModel,
+        num_slots: int,
+        kv: PagedKVCache | None = None,
+        *,
+        buckets: Sequence[int] | None = None,
+        graphs: bool = False,
+        pad: bool = False,
+    ) -> None:
         if mimi.cfg.num_codebooks < lm.cfg.num_user_codebooks or mimi.cfg.card != lm.cfg.card:
             raise ValueError(
                 f"Mimi ({mimi.cfg.num_codebooks} codebooks of {mimi.cfg.card}) does not match the LM "
@@ -64,7 +73,9 @@ class Pipeline:
         self._frame = BucketedCall(
             lambda slots, decode_slots, pcm: self.frame(Rows(slots), Rows(decode_slots), pcm),
             (scratch, scratch, torch.zeros(1, self.frame_size, device=self.device)),
-            buckets or default_buckets(num_slots), graphs=graphs, pad=pad,
+            buckets or default_buckets(num_slots),
+            graphs=graphs,
+            pad=pad,
         )
 
     def reset(self, slot: int, params: SamplingParams | None = None) -> None:

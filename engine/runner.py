@@ -23,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class Runner:
-    def __init__(self, pipeline: Pipeline, kv: PagedKVCache, tokenizer: TextTokenizer | None,
-                 silent: set[int]) -> None:
+    def __init__(self, pipeline: Pipeline, kv: PagedKVCache, tokenizer: TextTokenizer | None, silent: set[int]) -> None:
         self.pipeline, self.kv, self.tokenizer, self.silent = pipeline, kv, tokenizer, silent
         device = pipeline.device
         pin = device.type == "cuda"
@@ -68,8 +67,9 @@ class Runner:
             texts = [self._text(row[0]) for row in tokens]
         except Exception as e:  # noqa: BLE001 - handed to the scheduler, which ends the batch's sessions
             return StepResult(error=e)
-        return StepResult(pcm, tokens, texts, out.valid, self.pipeline.bucket(len(plan.slots)),
-                          time.perf_counter() - started)
+        return StepResult(
+            pcm, tokens, texts, out.valid, self.pipeline.bucket(len(plan.slots)), time.perf_counter() - started
+        )
 
     def _to_host(self, pcm: torch.Tensor, tokens: torch.Tensor) -> tuple[np.ndarray, list[list[int]]]:
         """The step's outputs on the host: one copy each (pinned, not waiting) and one wait on CUDA."""

@@ -115,8 +115,9 @@ class Scheduler:
             self._release()
             active = sum(not s.closed for s in self._sessions.values())
             admissible = min(len(self._free_slots), self.kv.sessions_fit(session_frames))
-            return SchedulerStats(active, admissible, self.kv.pages_used, self.refused, self.steps, self.frames_in,
-                                  self.frames_out)
+            return SchedulerStats(
+                active, admissible, self.kv.pages_used, self.refused, self.steps, self.frames_in, self.frames_out
+            )
 
     def start(self) -> None:
         """Admit sessions and plan steps from now on."""
@@ -156,8 +157,11 @@ class Scheduler:
         """Wait for work; the next step's plan, or None once stopped."""
         with self.lock:
             self._release()
-            while self._running and not self._fresh and not self._retuned and not any(
-                s.has_frame() for s in self._sessions.values()
+            while (
+                self._running
+                and not self._fresh
+                and not self._retuned
+                and not any(s.has_frame() for s in self._sessions.values())
             ):
                 self._work.wait()
                 self._release()
@@ -173,8 +177,13 @@ class Scheduler:
                     frames.append(taken[0])
                     arrivals.append(taken[1])
             self._in_flight = {*fresh, *retuned, *batch}
-            return StepPlan(tuple((s.slot, s.params) for s in fresh), tuple((s.slot, s.params) for s in retuned),
-                            tuple(s.slot for s in batch), tuple(frames), tuple(arrivals))
+            return StepPlan(
+                tuple((s.slot, s.params) for s in fresh),
+                tuple((s.slot, s.params) for s in retuned),
+                tuple(s.slot for s in batch),
+                tuple(frames),
+                tuple(arrivals),
+            )
 
     def finish(self, plan: StepPlan, result: StepResult) -> None:
         """Hand `result` to the sessions of `plan`'s batch; a failed step ends them ("engine_error")."""
@@ -194,8 +203,9 @@ class Scheduler:
                 output = None
                 if result.valid[row] and not session.closed:
                     text, *audio = result.tokens[row]
-                    output = SessionOutput(session.frames_out, result.pcm[row], text, result.texts[row],
-                                           tuple(audio), plan.arrivals[row])
+                    output = SessionOutput(
+                        session.frames_out, result.pcm[row], text, result.texts[row], tuple(audio), plan.arrivals[row]
+                    )
                     self.frames_out += 1
                 dropped += session.stepped(output)
             self._in_flight = set()  # before the lock goes: a receiver may close and reopen at once

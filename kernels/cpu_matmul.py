@@ -40,7 +40,14 @@ def _packed(w: torch.Tensor, rows: int) -> torch.Tensor:
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x @ w` with `w` [in, out]; exact same maths, faster kernel choice on CPU."""
     rows = x.numel() // x.shape[-1]
-    if (not 1 < rows <= MAX_ROWS or not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32
-            or w.dtype != torch.float32 or w.dim() != 2 or torch.is_grad_enabled()):
+    if (
+        not 1 < rows <= MAX_ROWS
+        or not _ONEDNN
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or w.dtype != torch.float32
+        or w.dim() != 2
+        or torch.is_grad_enabled()
+    ):
         return x @ w
     return torch.ops.mkldnn._linear_pointwise(x, _packed(w, rows), None, "none", [], "")

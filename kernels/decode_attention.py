@@ -109,17 +109,38 @@ def decode_attention_torch(
     ring, last = max_pages * page_size, lengths.long()[:, None] - 1
     held = last - (last - torch.arange(span, device=q.device)) % ring
     valid = (held >= 0) & (held > last - window)
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=valid[:, None, None, :],
-                                         scale=scale)[:, :, 0]
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=valid[:, None, None, :], scale=scale)[
+        :, :, 0
+    ]
     return out.masked_fill((lengths <= 0)[:, None, None], 0.0)
 
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, po_ptr, plse_ptr,
-    sq_b, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, sbt_b,
-    window, page_size, max_pages, split_len, qk_scale, head_dim,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    len_ptr,
+    po_ptr,
+    plse_ptr,
+    sq_b,
+    sq_h,
+    sk_p,
+    sk_s,
+    sk_h,
+    sv_p,
+    sv_s,
+    sv_h,
+    sbt_b,
+    window,
+    page_size,
+    max_pages,
+    split_len,
+    qk_scale,
+    head_dim,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (row, head, split): online softmax over the split's keys, in the log2 domain."""
     b = tl.program_id(0).to(tl.int64)
@@ -143,14 +164,16 @@ def _split_kernel(
         page = tl.load(bt_ptr + b * sbt_b + (pos // page_size) % max_pages, mask=kmask, other=0).to(tl.int64)
         slot = (pos % page_size).to(tl.int64)
         tile_mask = kmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + page[:, None] * sk_p + slot[:, None] * sk_s + h * sk_h + dims[None, :],
-                    mask=tile_mask, other=0.0).to(tl.float32)
+        k = tl.load(
+            k_ptr + page[:, None] * sk_p + slot[:, None] * sk_s + h * sk_h + dims[None, :], mask=tile_mask, other=0.0
+        ).to(tl.float32)
         s = tl.where(kmask, tl.sum(k * q[None, :], axis=1), -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
-        v = tl.load(v_ptr + page[:, None] * sv_p + slot[:, None] * sv_s + h * sv_h + dims[None, :],
-                    mask=tile_mask, other=0.0).to(tl.float32)
+        v = tl.load(
+            v_ptr + page[:, None] * sv_p + slot[:, None] * sv_s + h * sv_h + dims[None, :], mask=tile_mask, other=0.0
+        ).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
@@ -163,8 +186,15 @@ def _split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    po_ptr, plse_ptr, o_ptr, so_b, so_h, n_splits, head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    po_ptr,
+    plse_ptr,
+    o_ptr,
+    so_b,
+    so_h,
+    n_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (row, head): weight each split's output by its share of the softmax mass."""
     b = tl.program_id(0).to(tl.int64)
@@ -178,8 +208,9 @@ def _combine_kernel(
     top = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(top > -float("inf"), top, 0.0))  # empty splits (lse = -inf) weigh 0
     total = tl.sum(w, axis=0)
-    parts = tl.load(po_ptr + (base + splits[:, None]) * head_dim + dims[None, :],
-                    mask=smask[:, None] & dmask[None, :], other=0.0)
+    parts = tl.load(
+        po_ptr + (base + splits[:, None]) * head_dim + dims[None, :], mask=smask[:, None] & dmask[None, :], other=0.0
+    )
     out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b * so_b + h * so_h + dims, out.to(o_ptr.dtype.element_ty), mask=dmask)
 
@@ -233,15 +264,41 @@ def decode_attention_triton(
     scale = head_dim**-0.5 if scale is None else scale
     block_d = triton.next_power_of_2(head_dim)
     _split_kernel[(batch, heads, n_splits)](
-        q, k_pages, v_pages, block_table, lengths, partial, lse,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), block_table.stride(0),
-        window, page_size, max_pages, split_len, scale * math.log2(math.e), head_dim,
-        BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        lengths,
+        partial,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        v_pages.stride(0),
+        v_pages.stride(1),
+        v_pages.stride(2),
+        block_table.stride(0),
+        window,
+        page_size,
+        max_pages,
+        split_len,
+        scale * math.log2(math.e),
+        head_dim,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=block_d,
     )
     _combine_kernel[(batch, heads)](
-        partial, lse, out, out.stride(0), out.stride(1), n_splits, head_dim,
-        BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_D=block_d,
+        partial,
+        lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        n_splits,
+        head_dim,
+        BLOCK_S=triton.next_power_of_2(n_splits),
+        BLOCK_D=block_d,
     )
     return out
 

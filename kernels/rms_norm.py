@@ -32,9 +32,19 @@ def add_rms_norm_reference(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, alpha_ptr, y_ptr, h_ptr,
-    stride_x, stride_r, stride_y, stride_h, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    alpha_ptr,
+    y_ptr,
+    h_ptr,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_h,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One program per row; the whole row sits in registers (BLOCK = next power of two of the width)."""
     row = tl.program_id(0).to(tl.int64)
@@ -86,9 +96,20 @@ def rms_norm_triton(
         h = torch.empty_like(y)
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, alpha.reshape(-1), y, h,
-        x2.stride(0), r2.stride(0), y.stride(0), h.stride(0), n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+        x2,
+        r2,
+        alpha.reshape(-1),
+        y,
+        h,
+        x2.stride(0),
+        r2.stride(0),
+        y.stride(0),
+        h.stride(0),
+        n,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=_num_warps(block),
     )
     if residual is None:
         return y.view(x.shape)

@@ -51,9 +51,25 @@ def _rotate(x_ptr, o_ptr, stride_b, stride_h, ostride_b, ostride_h, b, heads, pa
 
 @triton.jit
 def _rope_qk_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-    sq_b, sq_h, sk_b, sk_h, sqo_b, sqo_h, sko_b, sko_h, sc_b, n_heads, n_pairs,
-    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    qo_ptr,
+    ko_ptr,
+    sq_b,
+    sq_h,
+    sk_b,
+    sk_h,
+    sqo_b,
+    sqo_h,
+    sko_b,
+    sko_h,
+    sc_b,
+    n_heads,
+    n_pairs,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     """One program per row: all heads of q and k, the row's angles loaded once."""
     b = tl.program_id(0).to(tl.int64)
@@ -76,13 +92,30 @@ def rope_qk_triton(
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(
-        k.shape, dtype=k.dtype, device=k.device)
+    q_out, k_out = (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+    )
     _rope_qk_kernel[(b,)](
-        q, k, cos, sin, q_out, k_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0), h, d // 2,
-        BLOCK_H=triton.next_power_of_2(h), BLOCK_P=triton.next_power_of_2(d // 2),
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos.stride(0),
+        h,
+        d // 2,
+        BLOCK_H=triton.next_power_of_2(h),
+        BLOCK_P=triton.next_power_of_2(d // 2),
     )
     return q_out, k_out
 

@@ -60,8 +60,9 @@ def pad_bias(temperature: torch.Tensor, pad_mult: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature > 0, temperature * pad_mult, 0.0)
 
 
-def pad_bias_reference(logits: torch.Tensor, temperature: torch.Tensor, pad_mult: torch.Tensor,
-                       pad_id: int) -> torch.Tensor:
+def pad_bias_reference(
+    logits: torch.Tensor, temperature: torch.Tensor, pad_mult: torch.Tensor, pad_id: int
+) -> torch.Tensor:
     """fp32 `logits` with T * pad_mult added at `pad_id` (softmax(x / T) there times exp(pad_mult)). A zero bias
     leaves the logit untouched (not even -0.0 → +0.0), so pad_mult = 0 is bit-identical to no pad_mult."""
     out = logits.to(torch.float32, copy=True)
@@ -107,8 +108,9 @@ def _hash32(x):
 
 
 @triton.jit
-def _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V: tl.constexpr,
-                HAS_PAD: tl.constexpr):
+def _load_block(
+    logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V: tl.constexpr, HAS_PAD: tl.constexpr
+):
     """Logits [BLOCK_B, BLOCK_V] in fp32 (-inf outside), their order-preserving uint32 keys (0 outside), mask;
     with HAS_PAD, `pad_add` [BLOCK_B] added at column `pad_id` where it is not 0."""
     cols = v0 + tl.arange(0, BLOCK_V)
@@ -126,9 +128,21 @@ def _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLO
 # compile-time constant, and one compiled kernel serves every stream.
 @triton.jit(do_not_specialize=["stream"])
 def _sample_kernel(
-    logits_ptr, temp_ptr, topk_ptr, seed_ptr, frame_ptr, pad_mult_ptr, out_ptr,
-    n_rows, vocab, stride, stream, pad_id,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PAD: tl.constexpr,
+    logits_ptr,
+    temp_ptr,
+    topk_ptr,
+    seed_ptr,
+    frame_ptr,
+    pad_mult_ptr,
+    out_ptr,
+    n_rows,
+    vocab,
+    stride,
+    stream,
+    pad_id,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_PAD: tl.constexpr,
 ):
     """BLOCK_B rows per program. Greedy argmax; the k-th largest key by a radix select; ties at that threshold
     taken in token order; then a Gumbel-max race over the candidates."""
@@ -165,15 +179,15 @@ def _sample_kernel(
         trials = thr[:, None] | (digits[None, :] << (28 - 4 * i))
         counts = tl.zeros([BLOCK_B, 16], tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
-            x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V,
-                                             HAS_PAD)
+            x, key, mask, cols = _load_block(
+                logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V, HAS_PAD
+            )
             counts += tl.sum((key[:, None, :] >= trials[:, :, None]).to(tl.int32), axis=2)
         digit = tl.sum((counts >= k[:, None]).to(tl.int32), axis=1) - 1
         thr = thr | (digit.to(tl.uint32) << (28 - 4 * i))
     above = tl.zeros([BLOCK_B], tl.int32)
     for v0 in range(0, vocab, BLOCK_V):
-        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V,
-                                             HAS_PAD)
+        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V, HAS_PAD)
         above += tl.sum((key > thr[:, None]).to(tl.int32), axis=1)
     ties_wanted = k - above
 
@@ -182,8 +196,7 @@ def _sample_kernel(
     sampled = tl.zeros([BLOCK_B], tl.int32)
     ties_seen = tl.zeros([BLOCK_B], tl.int32)
     for v0 in range(0, vocab, BLOCK_V):
-        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V,
-                                             HAS_PAD)
+        x, key, mask, cols = _load_block(logits_ptr, rows, rmask, stride, v0, vocab, pad_id, pad_add, BLOCK_V, HAS_PAD)
         tie = mask & (key == thr[:, None])
         tie_rank = tl.cumsum(tie.to(tl.int32), axis=1) + ties_seen[:, None]
         ties_seen += tl.sum(tie.to(tl.int32), axis=1)
@@ -217,10 +230,21 @@ def sample_triton(
     out = torch.empty(batch, dtype=torch.long, device=logits.device)
     block_v = block_v or min(triton.next_power_of_2(vocab), 1024)
     _sample_kernel[(triton.cdiv(batch, rows_per_program),)](
-        logits, temperature.contiguous(), top_k.contiguous(), seeds.contiguous(), frames.contiguous(),
-        temperature if pad_mult is None else pad_mult.contiguous(), out,  # (no pad: a pointer never read)
-        batch, vocab, logits.stride(0), stream, pad_id,
-        BLOCK_B=rows_per_program, BLOCK_V=block_v, HAS_PAD=pad_mult is not None,
+        logits,
+        temperature.contiguous(),
+        top_k.contiguous(),
+        seeds.contiguous(),
+        frames.contiguous(),
+        temperature if pad_mult is None else pad_mult.contiguous(),
+        out,  # (no pad: a pointer never read)
+        batch,
+        vocab,
+        logits.stride(0),
+        stream,
+        pad_id,
+        BLOCK_B=rows_per_program,
+        BLOCK_V=block_v,
+        HAS_PAD=pad_mult is not None,
     )
     return out
 

@@ -18,8 +18,7 @@ from .dispatch import use_triton
 from .sampling import pad_bias_reference
 
 
-def _penalised_tokens(history: torch.Tensor, context: torch.Tensor, vocab: int,
-                      skip: tuple[int, ...]) -> torch.Tensor:
+def _penalised_tokens(history: torch.Tensor, context: torch.Tensor, vocab: int, skip: tuple[int, ...]) -> torch.Tensor:
     """[B, H] bool: the history entries the walk penalises."""
     valid = (history >= 0) & (history < vocab)
     for token in skip:
@@ -27,8 +26,9 @@ def _penalised_tokens(history: torch.Tensor, context: torch.Tensor, vocab: int,
     return valid & (valid.cumsum(dim=1) <= context[:, None])
 
 
-def repetition_penalty_reference(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor,
-                                 context: torch.Tensor, skip: tuple[int, ...]) -> torch.Tensor:
+def repetition_penalty_reference(
+    logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor, context: torch.Tensor, skip: tuple[int, ...]
+) -> torch.Tensor:
     """fp32 copy of `logits` [B, V] penalised by each row's `history` [B, H], `penalty` [B] and `context` [B].
 
     Touches only the history's entries, not the whole vocabulary (the CPU engine runs this every step): entries
@@ -45,9 +45,16 @@ def repetition_penalty_reference(logits: torch.Tensor, history: torch.Tensor, pe
     return out[:, :vocab]
 
 
-def text_penalties_reference(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor,
-                             context: torch.Tensor, skip: tuple[int, ...], pad_id: int, pad_mult: torch.Tensor,
-                             temperature: torch.Tensor) -> torch.Tensor:
+def text_penalties_reference(
+    logits: torch.Tensor,
+    history: torch.Tensor,
+    penalty: torch.Tensor,
+    context: torch.Tensor,
+    skip: tuple[int, ...],
+    pad_id: int,
+    pad_mult: torch.Tensor,
+    temperature: torch.Tensor,
+) -> torch.Tensor:
     """The text logits a row's draw sees: repetition penalty, then T * pad_mult at `pad_id` where T > 0 (the
     sampling kernel folds that second part into its loads)."""
     penalised = repetition_penalty_reference(logits, history, penalty, context, skip)
@@ -56,8 +63,19 @@ def text_penalties_reference(logits: torch.Tensor, history: torch.Tensor, penalt
 
 @triton.jit
 def _repetition_penalty_kernel(
-    in_ptr, out_ptr, hist_ptr, penalty_ptr, context_ptr,
-    vocab, in_stride, out_stride, hist_stride, hist_len, skip0, skip1, skip2,
+    in_ptr,
+    out_ptr,
+    hist_ptr,
+    penalty_ptr,
+    context_ptr,
+    vocab,
+    in_stride,
+    out_stride,
+    hist_stride,
+    hist_len,
+    skip0,
+    skip1,
+    skip2,
     BLOCK_H: tl.constexpr,
 ):
     """One row per program: the whole history at once, a running count of the tokens that are not skipped."""
@@ -74,8 +92,9 @@ def _repetition_penalty_kernel(
     tl.store(out_ptr + row * out_stride + tokens, y, mask=used)
 
 
-def repetition_penalty_triton(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor,
-                              context: torch.Tensor, skip: tuple[int, ...]) -> torch.Tensor:
+def repetition_penalty_triton(
+    logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor, context: torch.Tensor, skip: tuple[int, ...]
+) -> torch.Tensor:
     """Triton `repetition_penalty`: a fp32 copy of the logits, then the kernel reads the input, writes the copy."""
     if len(skip) > 3:
         raise ValueError("at most 3 skipped tokens")
@@ -85,15 +104,25 @@ def repetition_penalty_triton(logits: torch.Tensor, history: torch.Tensor, penal
     history = history if history.stride(-1) == 1 else history.contiguous()
     out = logits.to(torch.float32, copy=True)
     _repetition_penalty_kernel[(batch,)](
-        logits, out, history, penalty.contiguous(), context.contiguous(),
-        vocab, logits.stride(0), out.stride(0), history.stride(0), history.shape[1], *skip,
+        logits,
+        out,
+        history,
+        penalty.contiguous(),
+        context.contiguous(),
+        vocab,
+        logits.stride(0),
+        out.stride(0),
+        history.stride(0),
+        history.shape[1],
+        *skip,
         BLOCK_H=triton.next_power_of_2(max(history.shape[1], 1)),
     )
     return out
 
 
-def repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor, context: torch.Tensor,
-                       skip: tuple[int, ...]) -> torch.Tensor:
+def repetition_penalty(
+    logits: torch.Tensor, history: torch.Tensor, penalty: torch.Tensor, context: torch.Tensor, skip: tuple[int, ...]
+) -> torch.Tensor:
     """Penalised fp32 copy of `logits` [B, V] (see the module docstring); Triton on CUDA, torch elsewhere."""
     if use_triton(logits):
         return repetition_penalty_triton(logits, history, penalty, context, skip)

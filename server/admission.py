@@ -21,9 +21,13 @@ from .query import BadQuery
 logger = logging.getLogger(__name__)
 
 
-async def serve(ctx: ServerContext, adapter: Adapter, subprotocol: str | None,
-                parameters: Callable[[], tuple[SamplingParams, int | None]],
-                admitted: Callable[[Pump], Awaitable[None]]) -> None:
+async def serve(
+    ctx: ServerContext,
+    adapter: Adapter,
+    subprotocol: str | None,
+    parameters: Callable[[], tuple[SamplingParams, int | None]],
+    admitted: Callable[[Pump], Awaitable[None]],
+) -> None:
     """Accept, admit and pump one connection; `admitted` sends the protocol's greeting (handshake, session)."""
     ws, metrics = adapter.ws, ctx.metrics
     await ws.accept(subprotocol=subprotocol)
@@ -39,8 +43,11 @@ async def serve(ctx: ServerContext, adapter: Adapter, subprotocol: str | None,
             raise Close(CloseCode.INVALID_PAYLOAD, "invalid_parameter", str(e)) from None
         if ctx.drain.draining:
             metrics.refused.labels("draining").inc()
-            raise Close(CloseCode.TRY_AGAIN_LATER, "server_draining",
-                        "server draining (shutting down): reconnect to another replica")
+            raise Close(
+                CloseCode.TRY_AGAIN_LATER,
+                "server_draining",
+                "server draining (shutting down): reconnect to another replica",
+            )
         try:
             session = ctx.runtime.open_session(params, max_frames)
         except CapacityError as e:

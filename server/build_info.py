@@ -23,8 +23,7 @@ _HERE = Path(__file__).resolve().parent
 def _git(*args: str) -> str:
     """A git command's output in this package's directory, or "" on any failure."""
     try:
-        proc = subprocess.run(["git", "-C", str(_HERE), *args], capture_output=True, text=True, timeout=5,
-                              check=False)
+        proc = subprocess.run(["git", "-C", str(_HERE), *args], capture_output=True, text=True, timeout=5, check=False)
     except (OSError, subprocess.SubprocessError):
         return ""
     return proc.stdout.strip() if proc.returncode == 0 else ""
@@ -73,13 +72,26 @@ def collect() -> dict[str, str]:
             "build_timestamp": built.isoformat() if built else UNKNOWN,
             "build_date": built.date().isoformat() if built else UNKNOWN,
             **git_fields(),
-            "rustc_host_triple": triple, "rustc_version": _versions(), "cargo_target_triple": triple,
-            "server": "duplexd", "version": VERSION,
+            "rustc_host_triple": triple,
+            "rustc_version": _versions(),
+            "cargo_target_triple": triple,
+            "server": "duplexd",
+            "version": VERSION,
         }
     except Exception:  # a metadata message must never fail a connection
         logger.exception("build info unavailable")
-        keys = ("build_timestamp", "build_date", "git_branch", "git_timestamp", "git_date", "git_hash",
-                "git_describe", "rustc_host_triple", "rustc_version", "cargo_target_triple")
+        keys = (
+            "build_timestamp",
+            "build_date",
+            "git_branch",
+            "git_timestamp",
+            "git_date",
+            "git_hash",
+            "git_describe",
+            "rustc_host_triple",
+            "rustc_version",
+            "cargo_target_triple",
+        )
         return {**dict.fromkeys(keys, UNKNOWN), "server": "duplexd", "version": VERSION}
 
 

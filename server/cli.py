@@ -70,9 +70,12 @@ def _add_setting(group: argparse._ArgumentGroup, name: str, field: FieldInfo) ->
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the model over WebSockets (Kyutai protocol and OpenAI Realtime)",
-                       description="Every option can also be set as DUPLEXD_<NAME> (e.g. DUPLEXD_PORT, "
-                       "DUPLEXD_API_KEY, DUPLEXD_DEVICES=cuda:0,cuda:1); flags win over the environment.")
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over WebSockets (Kyutai protocol and OpenAI Realtime)",
+        description="Every option can also be set as DUPLEXD_<NAME> (e.g. DUPLEXD_PORT, "
+        "DUPLEXD_API_KEY, DUPLEXD_DEVICES=cuda:0,cuda:1); flags win over the environment.",
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, field in ServerSettings.model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
@@ -117,21 +120,38 @@ def run(args: argparse.Namespace) -> int:
             what = f"the {settings.random_weights} preset with RANDOM weights (no checkpoint: it speaks noise)"
         else:
             what = "the DEMO model (random weights: it speaks noise)" if settings.demo else "the given weights"
-        logger.info("duplexd serve: %s on %s, %d sessions per device, at %s", what, ",".join(settings.devices),
-                    settings.max_sessions, url)
+        logger.info(
+            "duplexd serve: %s on %s, %d sessions per device, at %s",
+            what,
+            ",".join(settings.devices),
+            settings.max_sessions,
+            url,
+        )
         try:
             runtime = load_runtime(settings)
         except InputRefused as e:  # what only loading shows (a file that does not match the model)
             raise refused(settings, e) from None
         app = create_app(settings, runtime)
         config = uvicorn.Config(
-            app, host=settings.host, port=settings.port, ssl_certfile=settings.ssl_certfile,
-            ssl_keyfile=settings.ssl_keyfile, log_config=None, log_level=settings.log_level, lifespan="on",
-            ws_max_size=max(4 * settings.max_message_bytes, 16 << 20), ws_ping_interval=settings.ws_ping_interval,
-            ws_ping_timeout=settings.ws_ping_timeout, timeout_graceful_shutdown=5,
+            app,
+            host=settings.host,
+            port=settings.port,
+            ssl_certfile=settings.ssl_certfile,
+            ssl_keyfile=settings.ssl_keyfile,
+            log_config=None,
+            log_level=settings.log_level,
+            lifespan="on",
+            ws_max_size=max(4 * settings.max_message_bytes, 16 << 20),
+            ws_ping_interval=settings.ws_ping_interval,
+            ws_ping_timeout=settings.ws_ping_timeout,
+            timeout_graceful_shutdown=5,
         )
-        logger.info("listening on %s (Kyutai: %s/api/chat, Realtime: %s/v1/realtime); warming up", url,
-                    url.replace("http", "ws", 1), url.replace("http", "ws", 1))
+        logger.info(
+            "listening on %s (Kyutai: %s/api/chat, Realtime: %s/v1/realtime); warming up",
+            url,
+            url.replace("http", "ws", 1),
+            url.replace("http", "ws", 1),
+        )
         # returns after the drain
         DrainingServer(config, app.state.context.drain, settings.drain_timeout).run(sockets=[sock])
     finally:

@@ -25,8 +25,7 @@ class ServerContext:
     @property
     def limits(self) -> Limits:
         s = self.settings
-        return Limits(s.idle_timeout, s.send_timeout, s.max_session_seconds, s.max_message_bytes,
-                      s.late_frame_seconds)
+        return Limits(s.idle_timeout, s.send_timeout, s.max_session_seconds, s.max_message_bytes, s.late_frame_seconds)
 
 
 def get_context(conn: HTTPConnection) -> ServerContext:

@@ -41,8 +41,11 @@ class KyutaiAdapter(Adapter):
     async def on_message(self, message: dict) -> np.ndarray | None:
         data = message.get("bytes")
         if data is None:
-            raise Close(CloseCode.UNSUPPORTED_DATA, "text_frame",
-                        "text frames are not part of this protocol: send binary kind-byte messages")
+            raise Close(
+                CloseCode.UNSUPPORTED_DATA,
+                "text_frame",
+                "text frames are not part of this protocol: send binary kind-byte messages",
+            )
         try:
             msg = protocol.decode(data)
         except protocol.ProtocolError as e:
@@ -76,15 +79,22 @@ def metadata(ctx: ServerContext, pump: Pump) -> dict:
     """What the Rust server announces before its handshake, plus the session's id, seed and length limit."""
     params, info = pump.session.params, ctx.runtime.info
     return {
-        "text_temperature": params.text_temperature, "text_topk": params.text_topk,
-        "audio_temperature": params.audio_temperature, "audio_topk": params.audio_topk,
-        "pad_mult": params.pad_mult, "repetition_penalty_context": params.repetition_penalty_context,
+        "text_temperature": params.text_temperature,
+        "text_topk": params.text_topk,
+        "audio_temperature": params.audio_temperature,
+        "audio_topk": params.audio_topk,
+        "pad_mult": params.pad_mult,
+        "repetition_penalty_context": params.repetition_penalty_context,
         "repetition_penalty": params.repetition_penalty,
-        "lm_model_file": _name(info.lm_file), "mimi_model_file": _name(info.mimi_file),
-        "model": info.id, "demo": info.demo,
+        "lm_model_file": _name(info.lm_file),
+        "mimi_model_file": _name(info.mimi_file),
+        "model": info.id,
+        "demo": info.demo,
         "build_info": BUILD_INFO,
         "instance_name": ctx.settings.instance_name,
-        "session_id": pump.session.id, "seed": params.seed, "max_steps": pump.session.max_frames,
+        "session_id": pump.session.id,
+        "seed": params.seed,
+        "max_steps": pump.session.max_frames,
     }
 
 

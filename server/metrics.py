@@ -59,18 +59,30 @@ class Metrics:
         self.sessions = Counter("duplexd_sessions", "sessions admitted", ["protocol"], registry=registry)
         self.refused = Counter("duplexd_sessions_refused", "sessions refused", ["reason"], registry=registry)
         self.closed = Counter("duplexd_sessions_closed", "sessions ended", ["reason"], registry=registry)
-        self.protocol_errors = Counter("duplexd_protocol_errors", "connections ended by bad input",
-                                       ["protocol", "error"], registry=registry)
-        self.dropped = Counter("duplexd_frames_dropped", "frames dropped: input over the inbox bound, output over "
-                               "the outbox bound", ["direction"], registry=registry)
-        self.late = Counter("duplexd_frames_late", "output frames later than the late threshold after their input",
-                            registry=registry)
-        self.latency = Histogram("duplexd_frame_latency_seconds", "input frame pushed to its output frame received",
-                                 buckets=LATENCY_BUCKETS, registry=registry)
-        self.step_seconds = Histogram("duplexd_step_duration_seconds", "engine step duration",
-                                      buckets=STEP_BUCKETS, registry=registry)
-        self.batch_size = Histogram("duplexd_step_batch_size", "sessions per engine step", buckets=BATCH_BUCKETS,
-                                    registry=registry)
+        self.protocol_errors = Counter(
+            "duplexd_protocol_errors", "connections ended by bad input", ["protocol", "error"], registry=registry
+        )
+        self.dropped = Counter(
+            "duplexd_frames_dropped",
+            "frames dropped: input over the inbox bound, output over the outbox bound",
+            ["direction"],
+            registry=registry,
+        )
+        self.late = Counter(
+            "duplexd_frames_late", "output frames later than the late threshold after their input", registry=registry
+        )
+        self.latency = Histogram(
+            "duplexd_frame_latency_seconds",
+            "input frame pushed to its output frame received",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "duplexd_step_duration_seconds", "engine step duration", buckets=STEP_BUCKETS, registry=registry
+        )
+        self.batch_size = Histogram(
+            "duplexd_step_batch_size", "sessions per engine step", buckets=BATCH_BUCKETS, registry=registry
+        )
         for direction in ("in", "out"):
             self.dropped.labels(direction)
 

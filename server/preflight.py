@@ -34,14 +34,17 @@ def check_tls(settings: ServerSettings) -> None:
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
     except (ssl.SSLError, OSError) as e:
-        raise SettingsError(f"{settings.option_name('ssl_certfile')} {cert} / {settings.option_name('ssl_keyfile')} "
-                            f"{key}: not a PEM certificate and its private key ({e.strerror or e})") from None
+        raise SettingsError(
+            f"{settings.option_name('ssl_certfile')} {cert} / {settings.option_name('ssl_keyfile')} "
+            f"{key}: not a PEM certificate and its private key ({e.strerror or e})"
+        ) from None
 
 
 def check_static(settings: ServerSettings) -> None:
     if settings.static not in ("auto", "none") and not Path(settings.static).is_dir():
-        raise SettingsError(f"{settings.option_name('static')} {settings.static}: directory not found "
-                            "(give a directory, auto or none)")
+        raise SettingsError(
+            f"{settings.option_name('static')} {settings.static}: directory not found (give a directory, auto or none)"
+        )
 
 
 def bind(settings: ServerSettings) -> socket.socket:
@@ -54,16 +57,21 @@ def bind(settings: ServerSettings) -> socket.socket:
     except OSError as e:
         sock.close()
         if isinstance(e, socket.gaierror):
-            raise SettingsError(f"{settings.option_name('host')} {host}: not a known host name or address "
-                                f"({e.strerror})") from None
+            raise SettingsError(
+                f"{settings.option_name('host')} {host}: not a known host name or address ({e.strerror})"
+            ) from None
         if e.errno == errno.EADDRINUSE:
-            raise SettingsError(f"{settings.option_name('port')} {port}: {host}:{port} is already in use; stop what "
-                                "listens there or pick another port") from None
+            raise SettingsError(
+                f"{settings.option_name('port')} {port}: {host}:{port} is already in use; stop what "
+                "listens there or pick another port"
+            ) from None
         if e.errno == errno.EACCES:
-            raise SettingsError(f"{settings.option_name('port')} {port}: not allowed to bind {host}:{port}; pick a "
-                                "port above 1023") from None
-        raise SettingsError(f"{settings.option_name('host')} {host}: cannot bind {host}:{port} ({e.strerror})") \
-            from None
+            raise SettingsError(
+                f"{settings.option_name('port')} {port}: not allowed to bind {host}:{port}; pick a port above 1023"
+            ) from None
+        raise SettingsError(
+            f"{settings.option_name('host')} {host}: cannot bind {host}:{port} ({e.strerror})"
+        ) from None
     sock.set_inheritable(True)
     return sock
 
@@ -79,9 +87,16 @@ def preflight(settings: ServerSettings) -> socket.socket:
     sock = bind(settings)
     try:
         if settings.random_weights is None:
-            check_model_files(model_files(
-                moshi_weight=settings.moshi_weight, mimi_weight=settings.mimi_weight, tokenizer=settings.tokenizer,
-                config=settings.config, hf_repo=settings.hf_repo, mimi_preset=settings.mimi_preset))
+            check_model_files(
+                model_files(
+                    moshi_weight=settings.moshi_weight,
+                    mimi_weight=settings.mimi_weight,
+                    tokenizer=settings.tokenizer,
+                    config=settings.config,
+                    hf_repo=settings.hf_repo,
+                    mimi_preset=settings.mimi_preset,
+                )
+            )
     except BaseException as e:
         sock.close()
         if isinstance(e, InputRefused):

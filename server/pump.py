@@ -116,8 +116,11 @@ class Pump:
             self._last_message = time.monotonic()
             size = message_size(message)
             if size > limits.max_message_bytes:
-                raise Close(CloseCode.MESSAGE_TOO_BIG, "message_too_big",
-                            f"message of {size} bytes is over the limit of {limits.max_message_bytes} bytes")
+                raise Close(
+                    CloseCode.MESSAGE_TOO_BIG,
+                    "message_too_big",
+                    f"message of {size} bytes is over the limit of {limits.max_message_bytes} bytes",
+                )
             pcm = await self.adapter.on_message(message)
             if pcm is not None and len(pcm):
                 self.push(pcm)
@@ -157,9 +160,12 @@ class Pump:
                 raise Close(CloseCode.NORMAL, "idle_timeout", f"idle timeout: no message for {limits.idle_timeout:g} s")
             sending = self._sending_since
             if sending is not None and now >= sending + limits.send_timeout:
-                raise Close(CloseCode.POLICY_VIOLATION, "slow_reader",
-                            f"the client stopped reading: a send was blocked for {limits.send_timeout:g} s",
-                            notify=False)
+                raise Close(
+                    CloseCode.POLICY_VIOLATION,
+                    "slow_reader",
+                    f"the client stopped reading: a send was blocked for {limits.send_timeout:g} s",
+                    notify=False,
+                )
             # A send that starts after now cannot time out before now + send_timeout.
             await asyncio.sleep(min(idle_at, (now if sending is None else sending) + limits.send_timeout) - now)
 
@@ -176,15 +182,19 @@ class Pump:
     async def run(self) -> Close | Disconnected:
         """Pump until the session ends; returns the close sent to the client, or how it disconnected."""
         self._last_message = time.monotonic()  # the idle clock starts with the conversation, after the greeting
-        tasks = [asyncio.create_task(self._read(), name="ws-read"), asyncio.create_task(self._write(), name="ws-write"),
-                 asyncio.create_task(self._watch(), name="ws-watch"),
-                 asyncio.create_task(self._until_ended(), name="ws-end")]
+        tasks = [
+            asyncio.create_task(self._read(), name="ws-read"),
+            asyncio.create_task(self._write(), name="ws-write"),
+            asyncio.create_task(self._watch(), name="ws-watch"),
+            asyncio.create_task(self._until_ended(), name="ws-end"),
+        ]
         try:
             remaining = self.limits.max_session_seconds - (time.monotonic() - self.started)
             done, _ = await asyncio.wait(tasks, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
             if not done:
-                outcome: BaseException | None = Close(CloseCode.NORMAL, "max_session_length",
-                                                      "maximum session length reached")
+                outcome: BaseException | None = Close(
+                    CloseCode.NORMAL, "max_session_length", "maximum session length reached"
+                )
             else:  # when both ended, the reader's reason is the cause (the writer only saw the session end)
                 outcome = (tasks[0] if tasks[0] in done else next(iter(done))).exception()
         finally:

@@ -45,14 +45,18 @@ class RealtimeAdapter(Adapter):
         self.response_started = False
 
     def session_object(self, params: SamplingParams) -> dict:
-        return ev.session_object(self.session_id, self.ctx.runtime.info.id, params,
-                                 self.ctx.settings.max_session_seconds)
+        return ev.session_object(
+            self.session_id, self.ctx.runtime.info.id, params, self.ctx.settings.max_session_seconds
+        )
 
     async def on_message(self, message: dict) -> np.ndarray | None:
         text = message.get("text")
         if text is None:
-            raise Close(CloseCode.UNSUPPORTED_DATA, "binary_frame",
-                        "binary frames are not part of this protocol: send JSON events as text")
+            raise Close(
+                CloseCode.UNSUPPORTED_DATA,
+                "binary_frame",
+                "binary frames are not part of this protocol: send JSON events as text",
+            )
         try:
             event = ev.parse_event(text)
             if isinstance(event, ev.AudioAppend):  # the hot path: 12.5 a second per session
@@ -60,8 +64,11 @@ class RealtimeAdapter(Adapter):
             if isinstance(event, ev.SessionUpdate):
                 await self.update_session(event)
             else:
-                raise ev.RealtimeError("unsupported_event", f"{event.type} has no effect on a full-duplex model: "
-                                       "it takes turns by itself", event.event_id)
+                raise ev.RealtimeError(
+                    "unsupported_event",
+                    f"{event.type} has no effect on a full-duplex model: it takes turns by itself",
+                    event.event_id,
+                )
         except ev.RealtimeError as e:
             await self.send_text(ev.error_event(e.code, e.message, event_id=e.event_id, param=e.param))
         return None
@@ -87,8 +94,11 @@ class RealtimeAdapter(Adapter):
                 await self.ws.send_text(message)
 
     async def send_error(self, close: Close) -> None:
-        kind = "server_error" if close.code in (CloseCode.INTERNAL_ERROR, CloseCode.TRY_AGAIN_LATER,
-                                                CloseCode.GOING_AWAY) else "invalid_request_error"
+        kind = (
+            "server_error"
+            if close.code in (CloseCode.INTERNAL_ERROR, CloseCode.TRY_AGAIN_LATER, CloseCode.GOING_AWAY)
+            else "invalid_request_error"
+        )
         code = "resource_exhausted" if close.error == "capacity" else close.error
         await self.send_text(ev.error_event(code, close.message, kind=kind))
 

@@ -33,9 +33,16 @@ SUBPROTOCOL = "realtime"
 SAMPLE_RATE = wire.SAMPLE_RATE
 # Client events of the OpenAI API that a duplex model has no use for: answered with a non-fatal error.
 UnsupportedType = Literal[
-    "input_audio_buffer.commit", "input_audio_buffer.clear", "output_audio_buffer.clear", "response.create",
-    "response.cancel", "conversation.item.create", "conversation.item.delete", "conversation.item.retrieve",
-    "conversation.item.truncate", "transcription_session.update",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "output_audio_buffer.clear",
+    "response.create",
+    "response.cancel",
+    "conversation.item.create",
+    "conversation.item.delete",
+    "conversation.item.retrieve",
+    "conversation.item.truncate",
+    "transcription_session.update",
 ]
 UNSUPPORTED = frozenset(get_args(UnsupportedType))
 
@@ -105,8 +112,9 @@ class SessionUpdate(ClientEvent):
         try:
             return self.session.sampling.apply(params)
         except ValueError as e:  # the engine's own rules (ConfigError)
-            raise RealtimeError("invalid_value", f"bad session.sampling: {e}", self.event_id,
-                                "session.sampling") from None
+            raise RealtimeError(
+                "invalid_value", f"bad session.sampling: {e}", self.event_id, "session.sampling"
+            ) from None
 
 
 class TurnEvent(ClientEvent):
@@ -194,8 +202,9 @@ def _refusal(e: ValidationError, text: str) -> Close | RealtimeError:
     if path == ("session",):
         return RealtimeError("invalid_value", f"{given} needs a 'session' object", event_id, "session")
     if path[:2] == ("session", "audio") and path[3:4] == ("format",):
-        return RealtimeError("unsupported_audio_format", f"only audio/pcm at {SAMPLE_RATE} Hz is supported",
-                             event_id, ".".join(path[:4]))
+        return RealtimeError(
+            "unsupported_audio_format", f"only audio/pcm at {SAMPLE_RATE} Hz is supported", event_id, ".".join(path[:4])
+        )
     if path[1:2] in (("input_audio_format",), ("output_audio_format",)):
         return RealtimeError("unsupported_audio_format", "only pcm16 is supported", event_id, ".".join(path[:2]))
     where, field = ".".join(path[:2]), ".".join(path[2:])
@@ -213,13 +222,22 @@ def _event(kind: str, **fields: Any) -> str:
 def session_object(session_id: str, model: str, params: SamplingParams, max_seconds: float) -> dict[str, Any]:
     fmt = {"type": "audio/pcm", "rate": SAMPLE_RATE}
     return {
-        "id": session_id, "object": "realtime.session", "type": "realtime", "model": model,
+        "id": session_id,
+        "object": "realtime.session",
+        "type": "realtime",
+        "model": model,
         "output_modalities": ["audio"],
         "audio": {"input": {"format": fmt, "turn_detection": None}, "output": {"format": fmt}},
-        "sampling": {"text_temperature": params.text_temperature, "text_topk": params.text_topk,
-                     "audio_temperature": params.audio_temperature, "audio_topk": params.audio_topk,
-                     "seed": params.seed, "repetition_penalty": params.repetition_penalty,
-                     "repetition_penalty_context": params.repetition_penalty_context, "pad_mult": params.pad_mult},
+        "sampling": {
+            "text_temperature": params.text_temperature,
+            "text_topk": params.text_topk,
+            "audio_temperature": params.audio_temperature,
+            "audio_topk": params.audio_topk,
+            "seed": params.seed,
+            "repetition_penalty": params.repetition_penalty,
+            "repetition_penalty_context": params.repetition_penalty_context,
+            "pad_mult": params.pad_mult,
+        },
         "max_session_seconds": max_seconds,
     }
 
@@ -233,8 +251,15 @@ def session_updated(session: dict[str, Any]) -> str:
 
 
 def response_created(response_id: str) -> str:
-    return _event("response.created", response={"id": response_id, "object": "realtime.response",
-                                                 "status": "in_progress", "output_modalities": ["audio"]})
+    return _event(
+        "response.created",
+        response={
+            "id": response_id,
+            "object": "realtime.response",
+            "status": "in_progress",
+            "output_modalities": ["audio"],
+        },
+    )
 
 
 class AudioDeltas:
@@ -243,8 +268,10 @@ class AudioDeltas:
 
     def __init__(self, response_id: str, item_id: str) -> None:
         head = json.dumps({"type": "response.output_audio.delta", "event_id": ""}, separators=(",", ":"))[:-2]
-        tail = json.dumps({"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0},
-                          separators=(",", ":"))[1:-1]
+        tail = json.dumps(
+            {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0},
+            separators=(",", ":"),
+        )[1:-1]
         self._head, self._middle = head, '",' + tail + ',"delta":"'
 
     def __call__(self, pcm: np.ndarray) -> str:
@@ -256,11 +283,22 @@ def audio_delta(response_id: str, item_id: str, pcm: np.ndarray) -> str:
 
 
 def transcript_delta(response_id: str, item_id: str, text: str) -> str:
-    return _event("response.output_audio_transcript.delta", response_id=response_id, item_id=item_id,
-                  output_index=0, content_index=0, delta=text)
+    return _event(
+        "response.output_audio_transcript.delta",
+        response_id=response_id,
+        item_id=item_id,
+        output_index=0,
+        content_index=0,
+        delta=text,
+    )
 
 
-def error_event(code: str, message: str, *, kind: str = "invalid_request_error", event_id: str | None = None,
-                param: str | None = None) -> str:
-    return _event("error", error={"type": kind, "code": code, "message": message, "param": param,
-                                  "event_id": event_id})
+def error_event(
+    code: str,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    event_id: str | None = None,
+    param: str | None = None,
+) -> str:
+    return _event("error", error={"type": kind, "code": code, "message": message, "param": param, "event_id": event_id})

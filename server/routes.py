@@ -33,9 +33,14 @@ def ready(ctx: Context) -> JSONResponse:
     runtime, draining = ctx.runtime, ctx.drain.draining
     admissible = runtime.admissible()
     ready = runtime.ready and admissible > 0 and not draining
-    body: dict[str, object] = {"ready": ready, "warm": runtime.ready, "admissible_sessions": admissible,
-                               "capacity": runtime.capacity(), "draining": draining,
-                               "open_sessions": ctx.drain.open_sessions}
+    body: dict[str, object] = {
+        "ready": ready,
+        "warm": runtime.ready,
+        "admissible_sessions": admissible,
+        "capacity": runtime.capacity(),
+        "draining": draining,
+        "open_sessions": ctx.drain.open_sessions,
+    }
     if draining:
         body["reason"] = "draining"
     elif not runtime.ready:
@@ -55,10 +60,21 @@ def models(request: Request, ctx: Context) -> dict:
     if not key_ok(request, ctx.settings.api_key):
         raise HTTPException(status_code=401, detail="missing or wrong API key")
     info = ctx.runtime.info
-    return {"object": "list", "data": [{
-        "id": info.id, "object": "model", "created": info.created, "owned_by": "duplexd",
-        "demo": info.demo, "random_weights": info.random_weights is not None,
-        "sample_rate": info.sample_rate, "frame_size": info.frame_size,
-        "devices": list(info.devices), "max_sessions": ctx.runtime.capacity(),
-        "protocols": ["/api/chat", "/v1/realtime"],
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": info.id,
+                "object": "model",
+                "created": info.created,
+                "owned_by": "duplexd",
+                "demo": info.demo,
+                "random_weights": info.random_weights is not None,
+                "sample_rate": info.sample_rate,
+                "frame_size": info.frame_size,
+                "devices": list(info.devices),
+                "max_sessions": ctx.runtime.capacity(),
+                "protocols": ["/api/chat", "/v1/realtime"],
+            }
+        ],
+    }

@@ -50,9 +50,14 @@ class ModelInfo:
 
 def resolve_files(settings: ServerSettings) -> ModelFiles:
     """The weight files to load (demo model when none are given), by the same rules as `duplexd infer`."""
-    return model_files(moshi_weight=settings.moshi_weight, mimi_weight=settings.mimi_weight,
-                       tokenizer=settings.tokenizer, config=settings.config, hf_repo=settings.hf_repo,
-                       mimi_preset=settings.mimi_preset)
+    return model_files(
+        moshi_weight=settings.moshi_weight,
+        mimi_weight=settings.mimi_weight,
+        tokenizer=settings.tokenizer,
+        config=settings.config,
+        hf_repo=settings.hf_repo,
+        mimi_preset=settings.mimi_preset,
+    )
 
 
 def weight_dtype(settings: ServerSettings, device: str) -> torch.dtype:
@@ -161,12 +166,21 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         torch.set_num_threads(1)
     preset = settings.random_weights
     if preset is not None:
-        files = ModelFiles(f"random:{preset}", f"random:{RANDOM_WEIGHTS_MIMI[preset]}", str(ensure_demo().tokenizer),
-                           None, RANDOM_WEIGHTS_MIMI[preset])
+        files = ModelFiles(
+            f"random:{preset}",
+            f"random:{RANDOM_WEIGHTS_MIMI[preset]}",
+            str(ensure_demo().tokenizer),
+            None,
+            RANDOM_WEIGHTS_MIMI[preset],
+        )
         tokenizer_path: str | Path = files.tokenizer
         stretched = RandomTextTokenizer(tokenizer_path, PRESETS[preset].text_card)
-        logger.warning("serving %s with RANDOM weights (no checkpoint): it speaks noise, and its text ids are read "
-                       "with the demo tokenizer (%d pieces; others show as <id>)", preset, stretched.pieces)
+        logger.warning(
+            "serving %s with RANDOM weights (no checkpoint): it speaks noise, and its text ids are read "
+            "with the demo tokenizer (%d pieces; others show as <id>)",
+            preset,
+            stretched.pieces,
+        )
         tokenizer: TextTokenizer = stretched
     else:
         files = resolve_files(settings)
@@ -193,14 +207,27 @@ def load_runtime(settings: ServerSettings) -> Runtime:
                 raise CheckpointError(str(e), e.option or "mimi_weight") from None
         check_tokenizer(tokenizer, lm.cfg, tokenizer_path)
         config = EngineConfig(
-            max_sessions=settings.max_sessions, kv_memory=settings.kv_memory,
-            max_session_frames=settings.max_session_frames, max_pending_frames=settings.max_pending_frames,
-            max_output_frames=settings.max_output_frames, device=device, cuda_graphs=settings.cuda_graphs,
+            max_sessions=settings.max_sessions,
+            kv_memory=settings.kv_memory,
+            max_session_frames=settings.max_session_frames,
+            max_pending_frames=settings.max_pending_frames,
+            max_output_frames=settings.max_output_frames,
+            device=device,
+            cuda_graphs=settings.cuda_graphs,
             threads=threads,
         )
         engines.append(Engine(lm, mimi, tokenizer, config))
         logger.info("%s: loaded in %.1f s", step, time.perf_counter() - started)
     first = engines[0]
-    info = ModelInfo(_model_id(settings, files), str(files.moshi), str(files.mimi), str(tokenizer_path),
-                     settings.demo, first.sample_rate, first.frame_size, tuple(settings.devices), preset)
+    info = ModelInfo(
+        _model_id(settings, files),
+        str(files.moshi),
+        str(files.mimi),
+        str(tokenizer_path),
+        settings.demo,
+        first.sample_rate,
+        first.frame_size,
+        tuple(settings.devices),
+        preset,
+    )
     return Runtime(engines, info)

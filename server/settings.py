@@ -26,14 +26,21 @@ class SettingsError(ValueError):
     """A start-up setting that cannot work; the message names the flag (or variable) and the fix."""
 
 
-def opt(default: Any = None, description: str = "", group: str = "", flag: str | None = None,
-        metavar: str | None = None, **constraints: Any) -> Any:
+def opt(
+    default: Any = None,
+    description: str = "",
+    group: str = "",
+    flag: str | None = None,
+    metavar: str | None = None,
+    **constraints: Any,
+) -> Any:
     """A settings field and its command-line form: `group` of the help, and `flag`/`metavar` where they differ
     from the field's name (a `list` default is a factory; a `--no-x` flag turns a bool off)."""
     extra: JsonDict = {key: value for key, value in (("group", group), ("flag", flag), ("metavar", metavar)) if value}
     if isinstance(default, list):
-        return Field(default_factory=lambda: list(default), description=description, json_schema_extra=extra,
-                     **constraints)
+        return Field(
+            default_factory=lambda: list(default), description=description, json_schema_extra=extra, **constraints
+        )
     return Field(default, description=description, json_schema_extra=extra, **constraints)
 
 
@@ -56,35 +63,51 @@ class ServerSettings(BaseSettings):
     hf_repo: str | None = opt(None, "take every file not given from this Hugging Face repo", _MODEL, metavar="ORG/REPO")
     mimi_preset: Literal["mimi", "demo"] = opt("mimi", "Mimi architecture", _MODEL)
     random_weights: str | None = opt(
-        None, f"serve an LM preset ({', '.join(RANDOM_WEIGHTS_MIMI)}) and its Mimi with random weights drawn on the "
-        "device: no files, no download; it speaks noise (for capacity tests)", _MODEL, metavar="PRESET")
+        None,
+        f"serve an LM preset ({', '.join(RANDOM_WEIGHTS_MIMI)}) and its Mimi with random weights drawn on the "
+        "device: no files, no download; it speaks noise (for capacity tests)",
+        _MODEL,
+        metavar="PRESET",
+    )
     devices: Annotated[list[str], NoDecode] = opt(
-        ["cpu"], "device to run an engine on; repeat or comma-separate for several", _MODEL, flag="--device",
-        metavar="DEVICE")
+        ["cpu"],
+        "device to run an engine on; repeat or comma-separate for several",
+        _MODEL,
+        flag="--device",
+        metavar="DEVICE",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
-        "auto", "LM weight dtype (auto: bfloat16 on CUDA, float32 on CPU)", _MODEL)
+        "auto", "LM weight dtype (auto: bfloat16 on CUDA, float32 on CPU)", _MODEL
+    )
     cuda_graphs: bool = opt(True, "run CUDA steps eagerly, not as captured graphs", _MODEL, flag="--no-cuda-graphs")
     max_sessions: int = opt(4, "session slots per device", _CAP, ge=1)
     kv_memory: Annotated[ByteSize, Field(gt=0)] | None = opt(
-        None, "KV cache memory per device, e.g. 40GiB (default: the engine's choice)", _CAP, metavar="SIZE")
+        None, "KV cache memory per device, e.g. 40GiB (default: the engine's choice)", _CAP, metavar="SIZE"
+    )
     max_pending_frames: int = opt(25, "input frames queued per session (25 = 2 s)", _CAP, ge=1)
-    max_output_frames: int = opt(50, "output frames queued per session, the oldest dropped beyond (50 = 4 s)", _CAP,
-                                 ge=1)
+    max_output_frames: int = opt(
+        50, "output frames queued per session, the oldest dropped beyond (50 = 4 s)", _CAP, ge=1
+    )
     max_session_seconds: float = opt(360.0, "maximum session length in seconds", _CAP, gt=0)
     idle_timeout: float = opt(30.0, "close a session after this many seconds without a client message", _CAP, gt=0)
     send_timeout: float = opt(10.0, "close a client whose socket blocks a send this many seconds", _CAP, gt=0)
-    max_message_bytes: ByteSize = opt(ByteSize(1 << 20), "largest client message, e.g. 1MiB (at least 1KiB)", _CAP,
-                                      metavar="SIZE", ge=1024)
+    max_message_bytes: ByteSize = opt(
+        ByteSize(1 << 20), "largest client message, e.g. 1MiB (at least 1KiB)", _CAP, metavar="SIZE", ge=1024
+    )
     ws_ping_interval: float = opt(10.0, "keep-alive ping interval in seconds", _CAP, gt=0)
     ws_ping_timeout: float = opt(20.0, "close when a ping is unanswered this many seconds", _CAP, gt=0)
-    drain_timeout: float = opt(30.0, "on SIGTERM/SIGINT, seconds open sessions may go on before they are closed",
-                               _CAP, ge=0)
-    late_frame_seconds: float = opt(0.08, "input-to-output delay beyond which an output frame counts as late", _CAP,
-                                    gt=0)
-    api_key: str | None = opt(None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS,
-                              metavar="KEY")
+    drain_timeout: float = opt(
+        30.0, "on SIGTERM/SIGINT, seconds open sessions may go on before they are closed", _CAP, ge=0
+    )
+    late_frame_seconds: float = opt(
+        0.08, "input-to-output delay beyond which an output frame counts as late", _CAP, gt=0
+    )
+    api_key: str | None = opt(
+        None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS, metavar="KEY"
+    )
     allowed_origins: Annotated[list[str], NoDecode] = opt(
-        [], "comma-separated browser origins allowed to connect (default: any)", _ACCESS, metavar="ORIGINS")
+        [], "comma-separated browser origins allowed to connect (default: any)", _ACCESS, metavar="ORIGINS"
+    )
     static: str = opt("auto", "serve DIR at / (auto: the bundled web client; none: nothing)", metavar="DIR")
     instance_name: str = opt("duplexd", "name announced in the Kyutai metadata message")
     log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
@@ -106,8 +129,9 @@ class ServerSettings(BaseSettings):
                 raise SettingsError(msg) from None
             field = str(err["loc"][0])
             name = option_name(field) if field in flags else env_name(field)
-            raise SettingsError(f"{name} {err['input']}: {msg}" if err["input"] is not None else f"{name}: {msg}") \
-                from None
+            raise SettingsError(
+                f"{name} {err['input']}: {msg}" if err["input"] is not None else f"{name}: {msg}"
+            ) from None
         settings._flags = frozenset(flags)
         return settings
 

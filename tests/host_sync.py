@@ -18,9 +18,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 
 # Ops that only describe existing memory differently; a view of a CPU staging buffer allocates nothing.
-_VIEWS = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.alias.default, aten.as_strided.default,
-          aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.expand.default, aten.detach.default,
-          aten._reshape_alias.default, aten.permute.default, aten.squeeze.dim, aten.unbind.int}
+_VIEWS = {
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.view.default,
+    aten.alias.default,
+    aten.as_strided.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.unsqueeze.default,
+    aten.expand.default,
+    aten.detach.default,
+    aten._reshape_alias.default,
+    aten.permute.default,
+    aten.squeeze.dim,
+    aten.unbind.int,
+}
 
 
 @dataclass(frozen=True)
@@ -69,18 +82,30 @@ class HostWork(TorchDispatchMode):
         if func is aten._local_scalar_dense.default and on_device:
             self.ops.append(HostOp("sync", "item / int / bool of a device tensor", _caller()))
             return True if tensors[0].dtype == torch.bool else 0
-        if func in (aten.nonzero.default, aten.masked_select.default, aten.unique_consecutive.default,
-                    aten._unique2.default) and on_device:
+        if (
+            func
+            in (
+                aten.nonzero.default,
+                aten.masked_select.default,
+                aten.unique_consecutive.default,
+                aten._unique2.default,
+            )
+            and on_device
+        ):
             self.ops.append(HostOp("sync", str(func), _caller()))
             return torch.zeros(1, tensors[0].dim(), dtype=torch.long, device=tensors[0].device)
         wants_cpu = kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
-        if func in (aten._to_copy.default, aten.copy_.default) and on_device and (
-            wants_cpu or (func is aten.copy_.default and args[0].device.type == "cpu")
+        if (
+            func in (aten._to_copy.default, aten.copy_.default)
+            and on_device
+            and (wants_cpu or (func is aten.copy_.default and args[0].device.type == "cpu"))
         ):
             self.ops.append(HostOp("sync", "copy to the host", _caller()))
             return _stand_in(tensors[0], "cpu")
-        if func not in (aten._to_copy.default, aten.copy_.default) and on_device and any(
-            t.device.type == "cpu" and t.dim() > 0 for t in _flat_tensors(args)
+        if (
+            func not in (aten._to_copy.default, aten.copy_.default)
+            and on_device
+            and any(t.device.type == "cpu" and t.dim() > 0 for t in _flat_tensors(args))
         ):  # a device op reading a host tensor copies it over first, from pageable memory
             self.ops.append(HostOp("sync", f"{func} on a host tensor", _caller()))
         out = func(*args, **kwargs)

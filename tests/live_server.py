@@ -31,16 +31,20 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def running_server(log: Path, *args: str, env: dict[str, str] | None = None,
-                   ready_timeout: float = 120) -> Iterator[LiveServer]:
+def running_server(
+    log: Path, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 120
+) -> Iterator[LiveServer]:
     """`duplexd serve --port P *args` with its output in `log`, ready (warm) when this yields; stopped with SIGINT
     (a drain of at most 5 s unless set, then a clean shutdown: exit 0) on exit, so the caller can check
     `proc.returncode` and the log afterwards."""
     port = free_port()
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "duplexd", "serve", "--port", str(port), *args],
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env={"DUPLEXD_DRAIN_TIMEOUT": "5", **os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "duplexd", "serve", "--port", str(port), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={"DUPLEXD_DRAIN_TIMEOUT": "5", **os.environ, **(env or {})},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout

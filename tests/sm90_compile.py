@@ -70,8 +70,16 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "kernel.ptx")
         src.write_text(ptx)
-        cmd = [get_ptxas(90).path, "-lineinfo", "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a", str(src),
-               "-o", str(Path(tmp, "kernel.cubin"))]
+        cmd = [
+            get_ptxas(90).path,
+            "-lineinfo",
+            "-v",
+            "--regAllocOptLevel=2",
+            "--gpu-name=sm_90a",
+            str(src),
+            "-o",
+            str(Path(tmp, "kernel.cubin")),
+        ]
         log = subprocess.run(cmd, capture_output=True, text=True, check=True)
     text = log.stdout + log.stderr
 
@@ -81,8 +89,12 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
             raise RuntimeError(f"no {pattern!r} in the ptxas log:\n{text}")
         return int(match.group(1))
 
-    return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
-            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
+    return {
+        "registers": grab(r"Used (\d+) registers"),
+        "spill_stores": grab(r"(\d+) bytes spill stores"),
+        "spill_loads": grab(r"(\d+) bytes spill loads"),
+        "stack": grab(r"(\d+) bytes stack frame"),
+    }
 
 
 def _signature(jit_fn, specialization: list[tuple[str, Any]]) -> str:
@@ -130,14 +142,19 @@ class Recorder:
         record = self.variants.get(key)
         if record is None:
             record = self.variants[key] = {
-                "kernel": jit_fn.__name__, "module": jit_fn.module, "signature": _signature(jit_fn, specialization),
+                "kernel": jit_fn.__name__,
+                "module": jit_fn.module,
+                "signature": _signature(jit_fn, specialization),
                 "options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
-                "contexts": [], "grids": [], "error": None,
+                "contexts": [],
+                "grids": [],
+                "error": None,
             }
             try:
                 kernel = self.compile_only(jit_fn, *args, grid=grid, warmup=True, **kwargs)
-                record.update(num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared,
-                              **ptxas_usage(kernel.asm["ptx"]))
+                record.update(
+                    num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])
+                )
             except Exception as e:  # the report carries every failure; the test asserts there are none
                 record["error"] = f"{type(e).__name__}: {e}"
         if context not in record["contexts"]:
@@ -211,9 +228,16 @@ def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: 
     ints_set_to_one(recorder)
     kernels, device_functions = kernel_inventory()
     compiled = {f"{r['module']}.{r['kernel']}" for r in recorder.variants.values()}
-    return {"target": "sm_90a", "sms": sms, "batches": list(batches), "layers": layers, "kernels": kernels,
-            "device_functions": device_functions, "never_compiled": sorted(set(kernels) - compiled),
-            "variants": list(recorder.variants.values())}
+    return {
+        "target": "sm_90a",
+        "sms": sms,
+        "batches": list(batches),
+        "layers": layers,
+        "kernels": kernels,
+        "device_functions": device_functions,
+        "never_compiled": sorted(set(kernels) - compiled),
+        "variants": list(recorder.variants.values()),
+    }
 
 
 def engine_variants(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -226,8 +250,9 @@ def table(report: dict[str, Any]) -> str:
     spills, stack and shared memory."""
     rows = {}
     for v in report["variants"]:
-        row = rows.setdefault(v["kernel"], {"variants": 0, "errors": 0, "registers": 0, "spills": 0, "stack": 0,
-                                            "shared": 0})
+        row = rows.setdefault(
+            v["kernel"], {"variants": 0, "errors": 0, "registers": 0, "spills": 0, "stack": 0, "shared": 0}
+        )
         row["errors"] += bool(v["error"])
     for v in engine_variants(report):
         row = rows[v["kernel"]]
@@ -240,8 +265,10 @@ def table(report: dict[str, Any]) -> str:
         row["shared"] = max(row["shared"], v["shared"])
     lines = [f"{'kernel':<20} {'variants':>8} {'errors':>6} {'regs':>5} {'spill B':>7} {'stack B':>7} {'smem B':>7}"]
     for name, r in sorted(rows.items()):
-        lines.append(f"{name:<20} {r['variants']:>8} {r['errors']:>6} {r['registers']:>5} {r['spills']:>7} "
-                     f"{r['stack']:>7} {r['shared']:>7}")
+        lines.append(
+            f"{name:<20} {r['variants']:>8} {r['errors']:>6} {r['registers']:>5} {r['spills']:>7} "
+            f"{r['stack']:>7} {r['shared']:>7}"
+        )
     return "\n".join(lines)
 
 

@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"engine": "duplexd.engine", "kernels": "duplexd.kernels", "server": "duplexd.server",
-            "clients": "duplexd.clients", "duplexd": "duplexd"}
+PACKAGES = {
+    "engine": "duplexd.engine",
+    "kernels": "duplexd.kernels",
+    "server": "duplexd.server",
+    "clients": "duplexd.clients",
+    "duplexd": "duplexd",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -50,7 +55,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -78,8 +83,12 @@ def test_no_import_cycle_among_the_engine_modules():
 def _private_definitions(tree: ast.AST) -> set[str]:
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
-                and node.value.id in ("self", "cls"):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
             names.add(node.attr)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
@@ -119,15 +128,22 @@ def test_no_private_attribute_of_another_file_is_touched(folder):
 def _duplexd_imports(prefix: str) -> dict[str, set[str]]:
     """The duplexd modules each module under `prefix` imports (lazy imports inside functions included)."""
     modules = _modules()
-    return {name: _imports(name, path, set(modules)) for name, path in modules.items()
-            if name == prefix or name.startswith(f"{prefix}.")}
+    return {
+        name: _imports(name, path, set(modules))
+        for name, path in modules.items()
+        if name == prefix or name.startswith(f"{prefix}.")
+    }
 
 
 def test_clients_talk_to_the_server_over_the_wire_only():
     graph = _duplexd_imports("duplexd.clients")
     assert "duplexd.clients.connection" in graph["duplexd.clients.kyutai"]  # the graph is really built
-    offences = [f"{name} imports {dep}" for name, deps in sorted(graph.items()) for dep in sorted(deps)
-                if dep.startswith(("duplexd.server", "duplexd.engine"))]
+    offences = [
+        f"{name} imports {dep}"
+        for name, deps in sorted(graph.items())
+        for dep in sorted(deps)
+        if dep.startswith(("duplexd.server", "duplexd.engine"))
+    ]
     assert not offences, "\n".join(offences)
 
 

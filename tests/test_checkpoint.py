@@ -15,8 +15,16 @@ from duplexd.engine.errors import CheckpointError
 
 from .ref_models import fused_state_dict, reference_kwargs, reference_lm
 
-CFG = LMConfig(dim=32, text_card=67, num_heads=2, num_layers=2, depformer_dim=16,
-               depformer_dim_feedforward=66, depformer_num_heads=2, depformer_num_layers=2)
+CFG = LMConfig(
+    dim=32,
+    text_card=67,
+    num_heads=2,
+    num_layers=2,
+    depformer_dim=16,
+    depformer_dim_feedforward=66,
+    depformer_num_heads=2,
+    depformer_num_layers=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +59,9 @@ def test_7b_parameter_count():
 
 @pytest.mark.parametrize("naming", ["module", "fused"])
 def test_both_namings_load_the_same_weights(ref, tmp_path, naming):
-    tensors = ({k: v.contiguous() for k, v in ref.state_dict().items()} if naming == "module"
-               else fused_state_dict(ref, CFG))
+    tensors = (
+        {k: v.contiguous() for k, v in ref.state_dict().items()} if naming == "module" else fused_state_dict(ref, CFG)
+    )
     save_file(tensors, str(tmp_path / "m.safetensors"))
     model = load_lm(tmp_path / "m.safetensors", CFG)
     assert torch.equal(model.dep_layers[1].wqkv[5].t(), ref.depformer.layers[1].self_attn.in_projs[5].weight)

@@ -65,8 +65,23 @@ def test_chat_fast_is_deterministic_per_seed(server, talk, tmp_path, capsys):
     texts = []
     for i, protocol in enumerate(["kyutai", "kyutai", "realtime"]):
         out = tmp_path / f"a{i}.wav"
-        args = ["chat", str(talk), "--out", str(out), "--url", server, "--protocol", protocol, "--fast",
-                "--seed", "11", "--text-temperature", "0.7", "--audio-topk", "100"]
+        args = [
+            "chat",
+            str(talk),
+            "--out",
+            str(out),
+            "--url",
+            server,
+            "--protocol",
+            protocol,
+            "--fast",
+            "--seed",
+            "11",
+            "--text-temperature",
+            "0.7",
+            "--audio-topk",
+            "100",
+        ]
         started = time.monotonic()
         assert main(args) == 0
         assert time.monotonic() - started < 6
@@ -94,8 +109,23 @@ def run_loadtest(tmp_path: Path, *args: str) -> tuple[int, dict]:
 @pytest.mark.parametrize("protocol", ["realtime", "kyutai"])
 def test_loadtest_report_is_consistent(server, tmp_path, protocol, capsys):
     wait_idle(server)
-    code, data = run_loadtest(tmp_path, "--url", server, "--protocol", protocol, "--sessions", str(SLOTS),
-                              "--duration", "2", "--max-late-frac", "0.5", "--max-refused", "0", "--max-errors", "0")
+    code, data = run_loadtest(
+        tmp_path,
+        "--url",
+        server,
+        "--protocol",
+        protocol,
+        "--sessions",
+        str(SLOTS),
+        "--duration",
+        "2",
+        "--max-late-frac",
+        "0.5",
+        "--max-refused",
+        "0",
+        "--max-errors",
+        "0",
+    )
     assert code == 0, capsys.readouterr().err
     o, sessions = data["overall"], data["sessions"]
     assert (o["sessions"], o["ok"], o["refused"], o["errors"]) == (SLOTS, SLOTS, 0, 0)
@@ -117,8 +147,9 @@ def test_loadtest_report_is_consistent(server, tmp_path, protocol, capsys):
 
 def test_loadtest_refusals_stay_in_the_denominator_and_fail_the_check(server, tmp_path, capsys):
     wait_idle(server)
-    code, data = run_loadtest(tmp_path, "--url", server, "--sessions", str(SLOTS + 1), "--duration", "1",
-                              "--max-refused", "0")
+    code, data = run_loadtest(
+        tmp_path, "--url", server, "--sessions", str(SLOTS + 1), "--duration", "1", "--max-refused", "0"
+    )
     assert code == 1
     o = data["overall"]
     assert (o["sessions"], o["ok"], o["refused"]) == (SLOTS + 1, SLOTS, 1)
@@ -131,8 +162,9 @@ def test_loadtest_refusals_stay_in_the_denominator_and_fail_the_check(server, tm
 
 def test_loadtest_sweep_prints_a_table(server, tmp_path, capsys):
     wait_idle(server)
-    code, data = run_loadtest(tmp_path, "--url", server, "--sessions", "1,2", "--duration", "1",
-                              "--max-ttfa-ms", "0.001")
+    code, data = run_loadtest(
+        tmp_path, "--url", server, "--sessions", "1,2", "--duration", "1", "--max-ttfa-ms", "0.001"
+    )
     assert code == 1  # nobody hears anything within a microsecond
     assert [run["overall"]["sessions"] for run in data["runs"]] == [1, 2]
     out = capsys.readouterr()

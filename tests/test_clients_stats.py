@@ -36,8 +36,13 @@ def steady(index: int = 0, n: int = 25, latency: float = 0.05, jitter=None) -> S
 
 def test_steady_session_is_on_time():
     s = session_stats(steady())
-    assert (s.frames_expected, s.frames_sent, s.frames_received, s.frame_deficit, s.frames_missing) == (25, 25, 24,
-                                                                                                         1, 0)
+    assert (s.frames_expected, s.frames_sent, s.frames_received, s.frame_deficit, s.frames_missing) == (
+        25,
+        25,
+        24,
+        1,
+        0,
+    )
     assert s.late_frames == 0 and s.underruns == 0
     assert s.ttfa_ms == pytest.approx(130)  # frame 0 only fills the acoustic delay: first audio after input 1
     assert s.inter_arrival_ms["p50"] == pytest.approx(80) and s.inter_arrival_ms["max"] == pytest.approx(80)
@@ -207,13 +212,31 @@ sys.exit(args.func(args))
 def test_loadtest_plot_without_matplotlib_fails_at_start(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as server:
         url = f"ws://127.0.0.1:{server.getsockname()[1]}"
-        run = subprocess.run([sys.executable, "-c", WITHOUT_MATPLOTLIB, "loadtest", "--url", url, "--quiet",
-                              "--duration", "0.2", "--json", "", "--plot", str(tmp_path / "lt.png")],
-                             capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                WITHOUT_MATPLOTLIB,
+                "loadtest",
+                "--url",
+                url,
+                "--quiet",
+                "--duration",
+                "0.2",
+                "--json",
+                "",
+                "--plot",
+                str(tmp_path / "lt.png"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         server.setblocking(False)
         with pytest.raises(BlockingIOError):
             server.accept()  # nobody connected: the run stopped before its first session
     assert run.returncode == 2, run.stderr
-    assert run.stderr.splitlines() == [f"duplexd loadtest: --plot {tmp_path / 'lt.png'}: plotting needs matplotlib: "
-                                       "pip install 'duplexd[plot]'"]
+    assert run.stderr.splitlines() == [
+        f"duplexd loadtest: --plot {tmp_path / 'lt.png'}: plotting needs matplotlib: pip install 'duplexd[plot]'"
+    ]
     assert not (tmp_path / "lt.png").exists()

@@ -52,8 +52,9 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert main(["generate", "--weights", str(tmp_path / "missing.safetensors")]) == 2
     assert "file not found" in capsys.readouterr().err
     (tmp_path / "junk.safetensors").write_text("junk")
-    assert main(["generate", "--weights", str(tmp_path / "junk.safetensors"), "--config",
-                 str(ensure_demo().config)]) == 2
+    assert (
+        main(["generate", "--weights", str(tmp_path / "junk.safetensors"), "--config", str(ensure_demo().config)]) == 2
+    )
     assert "not a readable safetensors file" in capsys.readouterr().err
     assert main(["generate", "--frames", "0"]) == 2
     assert "--frames" in capsys.readouterr().err

@@ -17,8 +17,17 @@ from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.models.mimi import MimiModel
 
 # Small but complete: several layers and heads, all 16 streams, short context so windows wrap within a test.
-CFG = LMConfig(dim=64, text_card=97, num_heads=4, num_layers=3, depformer_dim=32, depformer_dim_feedforward=132,
-               depformer_num_heads=2, depformer_num_layers=2, context=24)
+CFG = LMConfig(
+    dim=64,
+    text_card=97,
+    num_heads=4,
+    num_layers=3,
+    depformer_dim=32,
+    depformer_dim_feedforward=132,
+    depformer_num_heads=2,
+    depformer_num_layers=2,
+    context=24,
+)
 FRAME = DEMO_MIMI.frame_size
 GREEDY = SamplingParams(text_temperature=0.0, text_topk=1, audio_temperature=0.0, audio_topk=1)
 
@@ -61,8 +70,11 @@ def test_sessions_in_one_batch_match_each_session_alone(models, pad):
     plan = {  # session -> (params, first round, rounds)
         0: (SamplingParams(seed=11), 0, 40),
         1: (GREEDY, 2, 30),
-        2: (SamplingParams(text_temperature=1.0, text_topk=50, audio_temperature=0.6, audio_topk=40, seed=12), 5,
-            12),  # leaves early
+        2: (
+            SamplingParams(text_temperature=1.0, text_topk=50, audio_temperature=0.6, audio_topk=40, seed=12),
+            5,
+            12,
+        ),  # leaves early
         3: (SamplingParams(seed=13), 9, 31),
     }
     audio = {s: _audio(n, seed=s) for s, (_, _, n) in plan.items()}
@@ -93,8 +105,12 @@ def test_sessions_in_one_batch_match_each_session_alone(models, pad):
         assert len(together) == len(alone) == n - 1
         assert [o.audio_tokens for o in together] == [o.audio_tokens for o in alone], f"session {s} audio tokens"
         assert [o.text_token for o in together] == [o.text_token for o in alone], f"session {s} text"
-        np.testing.assert_allclose(np.stack([o.pcm for o in together]), np.stack([o.pcm for o in alone]),
-                                   atol=1e-5, err_msg=f"session {s} speech")
+        np.testing.assert_allclose(
+            np.stack([o.pcm for o in together]),
+            np.stack([o.pcm for o in alone]),
+            atol=1e-5,
+            err_msg=f"session {s} speech",
+        )
     assert len({o.audio_tokens for o in outs[0]}) > 10, "sampling should vary between frames"
     assert outs[0][0].audio_tokens != outs[3][0].audio_tokens
 

@@ -49,8 +49,13 @@ def test_host_work_catches_what_it_should():
 def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(meta_models, no_launch, mode):
     """Also the path of the engine's warm-up on CUDA: graphs on, nothing captured yet (inputs staged on the host
     go through the padded eager call)."""
-    pipeline = Pipeline(*meta_models, num_slots=6, buckets=(1, 2, 4, 6), pad=mode != "exact-batch",
-                        graphs=mode == "graphs-before-capture")
+    pipeline = Pipeline(
+        *meta_models,
+        num_slots=6,
+        buckets=(1, 2, 4, 6),
+        pad=mode != "exact-batch",
+        graphs=mode == "graphs-before-capture",
+    )
     for slot, position in ((0, 0), (2, 1), (3, 2999), (5, 7000)):  # warming up, first output, full and wrapped
         pipeline.seek(slot, position)
     # The engine hands host audio (staged, then copied); offline callers may hand a device tensor.
@@ -79,8 +84,11 @@ def test_admission_is_host_bookkeeping_only():
     from duplexd.engine.demo import random_lm
     from duplexd.engine.engine import Engine, EngineConfig
 
-    engine = Engine(random_lm(DEMO, seed=0), MimiModel(DEMO_MIMI).init_weights_(0),
-                    config=EngineConfig(max_sessions=2, page_size=64))
+    engine = Engine(
+        random_lm(DEMO, seed=0),
+        MimiModel(DEMO_MIMI).init_weights_(0),
+        config=EngineConfig(max_sessions=2, page_size=64),
+    )
     engine.start()
     try:
         with HostWork() as host:

@@ -30,8 +30,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tiny_hf_config(**kw) -> HFAudioConfig:
-    base = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, subsampling_conv_channels=[128, 8],
-                output_proj_dims=48)
+    base = dict(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        subsampling_conv_channels=[128, 8],
+        output_proj_dims=48,
+    )
     base.update(kw)
     return HFAudioConfig(**base)
 
@@ -204,8 +209,12 @@ def stream_alone(enc: Gemma4AudioEncoder, w: np.ndarray) -> torch.Tensor:
     state = enc.new_stream_state(1)
     steps = len(w) // CHUNK
     return torch.cat(
-        [enc.encode_step(state, [0], torch.from_numpy(w[None, i * CHUNK : (i + 1) * CHUNK])).soft_tokens
-         for i in range(steps)], dim=1)
+        [
+            enc.encode_step(state, [0], torch.from_numpy(w[None, i * CHUNK : (i + 1) * CHUNK])).soft_tokens
+            for i in range(steps)
+        ],
+        dim=1,
+    )
 
 
 def test_streaming_equals_whole_file(models):

@@ -21,8 +21,11 @@ def ref():
     tower, embed = reference_models(seed=1)
     sd = {k: v.contiguous() for k, v in hf_state_dict(tower, embed).items()}
     sd["model.language_model.embed_tokens.weight"] = torch.zeros(8, 4)  # LM tensors are skipped
-    config = {"model_type": "gemma4", "audio_config": tower.config.to_dict(),
-              "text_config": {"hidden_size": TEXT_HIDDEN}}
+    config = {
+        "model_type": "gemma4",
+        "audio_config": tower.config.to_dict(),
+        "text_config": {"hidden_size": TEXT_HIDDEN},
+    }
     return tower, embed, sd, config
 
 
@@ -94,8 +97,11 @@ def test_shape_mismatch(ref, tmp_path):
     _, _, sd, config = ref
     key = "model.audio_tower.output_proj.weight"
     bad = dict(sd, **{key: torch.zeros(7, 64)})
-    with pytest.raises(CheckpointError, match=r"shape mismatch for model\.audio_tower\.output_proj\.weight: "
-                                              r"expected \(48, 64\), got \(7, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"shape mismatch for model\.audio_tower\.output_proj\.weight: "
+        r"expected \(48, 64\), got \(7, 64\)",
+    ):
         load_gemma4_audio(write(tmp_path / "c", bad, config))
 
 

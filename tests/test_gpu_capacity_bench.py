@@ -52,10 +52,23 @@ def _fake(threshold: float, limit: int, seen: list[int], fail_at: int | None = N
     return measure
 
 
-@pytest.mark.parametrize("threshold, limit, granularity, want", [
-    (67, 75, 1, 67), (67, 75, 4, 64), (72, 75, 1, 72), (100, 75, 1, 75), (100, 75, 4, 75), (100, 90, 1, 90),
-    (100, 90, 4, 90), (85, 90, 4, 84), (0.5, 75, 1, 0), (5, 75, 1, 5), (40, 75, 4, 40), (9, 4, 1, 4),
-])
+@pytest.mark.parametrize(
+    "threshold, limit, granularity, want",
+    [
+        (67, 75, 1, 67),
+        (67, 75, 4, 64),
+        (72, 75, 1, 72),
+        (100, 75, 1, 75),
+        (100, 75, 4, 75),
+        (100, 90, 1, 90),
+        (100, 90, 4, 90),
+        (85, 90, 4, 84),
+        (0.5, 75, 1, 0),
+        (5, 75, 1, 5),
+        (40, 75, 4, 40),
+        (9, 4, 1, 4),
+    ],
+)
 def test_capacity_search_finds_the_largest_batch_within_budget(threshold, limit, granularity, want):
     seen: list[int] = []
     sweep = cap.find_capacity(_fake(threshold, limit, seen), GRID, limit, threshold, granularity)
@@ -94,8 +107,9 @@ def engine():
     torch.set_num_threads(1)
     lm, mimi = random_models("demo", "cpu", torch.float32)
     frames = 8 + cap.WARM_STEPS + cap.EXTRA_FRAMES
-    eng = Engine(lm, mimi, config=EngineConfig(max_sessions=3, max_pending_frames=frames, max_output_frames=frames,
-                                               threads=1))
+    eng = Engine(
+        lm, mimi, config=EngineConfig(max_sessions=3, max_pending_frames=frames, max_output_frames=frames, threads=1)
+    )
     eng.start()
     yield eng
     eng.stop()
@@ -149,8 +163,27 @@ def test_dry_run_reports_or_fails(tmp_path, monkeypatch, capsys, fail):
             return step(self, slots, pcm)
 
         monkeypatch.setattr(Pipeline, "step", failing)
-    args = ["--preset", "demo", "--device", "cpu", "--batches", "1", "2", "--steps", "3", "--max-sessions", "2",
-            "--granularity", "1", "--budget-ms", "1e6", "--timeout", "30", "--out", str(tmp_path)]
+    args = [
+        "--preset",
+        "demo",
+        "--device",
+        "cpu",
+        "--batches",
+        "1",
+        "2",
+        "--steps",
+        "3",
+        "--max-sessions",
+        "2",
+        "--granularity",
+        "1",
+        "--budget-ms",
+        "1e6",
+        "--timeout",
+        "30",
+        "--out",
+        str(tmp_path),
+    ]
     rc = cap.main(args)
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "gpu_capacity.json").read_text())
@@ -174,8 +207,27 @@ def test_the_kv_pool_bounds_the_sweep(tmp_path):
 
     page = PagedKVCache.page_bytes(DEMO.num_layers, DEMO.num_heads, DEMO.head_dim, 64, torch.float32)
     two_and_a_half = int(2.5 * window_pages(DEMO.context, 64) * page)
-    args = ["--preset", "demo", "--device", "cpu", "--batches", "1", "4", "--steps", "2", "--max-sessions", "8",
-            "--granularity", "1", "--budget-ms", "1e6", "--kv-memory", str(two_and_a_half), "--out", str(tmp_path)]
+    args = [
+        "--preset",
+        "demo",
+        "--device",
+        "cpu",
+        "--batches",
+        "1",
+        "4",
+        "--steps",
+        "2",
+        "--max-sessions",
+        "8",
+        "--granularity",
+        "1",
+        "--budget-ms",
+        "1e6",
+        "--kv-memory",
+        str(two_and_a_half),
+        "--out",
+        str(tmp_path),
+    ]
     assert cap.main(args) == 0
     report = json.loads((tmp_path / "gpu_capacity.json").read_text())
     assert report["kv_sessions"] == 2 and report["realtime_sessions"] == 2
@@ -200,6 +252,7 @@ def test_pool_sessions_counts_mimi_streams_per_slot(monkeypatch):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, 2 * free))
         config = EngineConfig(max_sessions=256, page_size=page_size, device="cuda")
         assert cap.pool_sessions(lm, mimi, config) == n
-        assert cap.pool_sessions(lm, mimi, EngineConfig(max_sessions=n - 1 or 1, page_size=page_size,
-                                                        device="cuda")) == max(n - 1, 1)
+        assert cap.pool_sessions(
+            lm, mimi, EngineConfig(max_sessions=n - 1 or 1, page_size=page_size, device="cuda")
+        ) == max(n - 1, 1)
     assert streams > 0

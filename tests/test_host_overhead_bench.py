@@ -40,14 +40,23 @@ def test_cpu_delta_keeps_groups_adding_up_to_the_total():
 
 def test_classify_takes_the_innermost_matching_frame():
     root = ["<module> (host_overhead_server.py:121)", "Runner.run (asyncio/runners.py:118)"]
-    encode = root + ["Pump._write (server/pump.py:150)", "KyutaiAdapter.send_output (server/kyutai.py:55)",
-                     "OpusEncoder.encode (server/opus.py:35)"]
+    encode = root + [
+        "Pump._write (server/pump.py:150)",
+        "KyutaiAdapter.send_output (server/kyutai.py:55)",
+        "OpusEncoder.encode (server/opus.py:35)",
+    ]
     assert ho.classify(encode, "event-loop") == "codec"
-    send = root + ["KyutaiAdapter.send_output (server/kyutai.py:58)",
-                   "WebSocket.send (starlette/websockets.py:90)", "write_frame (websockets/legacy/protocol.py:1)"]
+    send = root + [
+        "KyutaiAdapter.send_output (server/kyutai.py:58)",
+        "WebSocket.send (starlette/websockets.py:90)",
+        "write_frame (websockets/legacy/protocol.py:1)",
+    ]
     assert ho.classify(send, "event-loop") == "framing"
-    pcm16 = root + ["AudioDeltas.__call__ (server/realtime_events.py:190)",
-                    "encode_audio (server/realtime_events.py:97)", "pcm16_bytes (server/realtime_events.py:90)"]
+    pcm16 = root + [
+        "AudioDeltas.__call__ (server/realtime_events.py:190)",
+        "encode_audio (server/realtime_events.py:97)",
+        "pcm16_bytes (server/realtime_events.py:90)",
+    ]
     assert ho.classify(pcm16, "event-loop") == "codec"
     b64 = pcm16[:-1]  # base64 of the audio is framing: only the pcm16 conversion is the codec
     assert ho.classify(b64, "event-loop") == "framing"
@@ -64,31 +73,44 @@ def test_classify_takes_the_innermost_matching_frame():
 
 
 def test_parse_raw_profile_and_attribution():
-    raw = "\n".join([
-        "thread (100): MainThread;main (x.py:1);OpusEncoder.encode (server/opus.py:35) 30",
-        "thread (100): MainThread;main (x.py:1);write_frame (websockets/legacy/protocol.py:1) 10",
-        "thread (0x65): duplexd-engine;Engine._step (engine/scheduler.py:340) 20",
-        "thread (102): other;run (threading.py:1) 5",
-        "thread (103): MainThread;main (x.py:1);Pump.push (server/pump.py:1) 0",
-        "thread (104): duplexd-engine-cpu;Engine._step (engine/scheduler.py:340) 0",
-        "garbage line",
-    ])
+    raw = "\n".join(
+        [
+            "thread (100): MainThread;main (x.py:1);OpusEncoder.encode (server/opus.py:35) 30",
+            "thread (100): MainThread;main (x.py:1);write_frame (websockets/legacy/protocol.py:1) 10",
+            "thread (0x65): duplexd-engine;Engine._step (engine/scheduler.py:340) 20",
+            "thread (102): other;run (threading.py:1) 5",
+            "thread (103): MainThread;main (x.py:1);Pump.push (server/pump.py:1) 0",
+            "thread (104): duplexd-engine-cpu;Engine._step (engine/scheduler.py:340) 0",
+            "garbage line",
+        ]
+    )
     samples = ho.parse_raw_profile(raw, {100: "event-loop", 101: "engine-loop", 102: "python"})
-    assert samples == {"event-loop": {"codec": 30, "framing": 10, "server": 0}, "engine-loop": {"engine": 20},
-                       "other": {"asyncio": 5}}
+    assert samples == {
+        "event-loop": {"codec": 30, "framing": 10, "server": 0},
+        "engine-loop": {"engine": 20},
+        "other": {"asyncio": 5},
+    }
     cpu = {"total": 6.0, "event-loop": 4.0, "engine-loop": 1.5, "other": 0.5}
     cats = ho.attribute(cpu, samples)
     assert cats == pytest.approx({"codec": 3.0, "framing": 1.0, "engine": 1.5, "asyncio": 0.5})
     assert sum(cats.values()) == pytest.approx(cpu["total"])
     assert ho.groups(cats) == pytest.approx({"codec": 3.0, "framing": 1.0, "engine": 1.5, "rest": 0.5})
     # a group without samples is not guessed at: its CPU is "other"
-    assert ho.attribute(cpu, {"event-loop": {"codec": 1}}) == pytest.approx(
-        {"codec": 4.0, "engine": 1.5, "other": 0.5})
+    assert ho.attribute(cpu, {"event-loop": {"codec": 1}}) == pytest.approx({"codec": 4.0, "engine": 1.5, "other": 0.5})
 
 
 def test_per_session_second_maths_and_split():
-    run = ho.Run("kyutai", 4, window_s=10.0, cpu={"total": 0.5, "event-loop": 0.4, "engine-loop": 0.1},
-                 frames_in=250.0, frames_out=240.0, steps=125.0, late=12.0, run_frames_out=240.0)
+    run = ho.Run(
+        "kyutai",
+        4,
+        window_s=10.0,
+        cpu={"total": 0.5, "event-loop": 0.4, "engine-loop": 0.1},
+        frames_in=250.0,
+        frames_out=240.0,
+        steps=125.0,
+        late=12.0,
+        run_frames_out=240.0,
+    )
     assert run.audio_session_s == pytest.approx(20.0)  # 250 frames of 80 ms
     assert run.served_frac == pytest.approx(0.5)  # 4 sessions x 10 s were due
     summary = run.summary()
@@ -100,8 +122,10 @@ def test_per_session_second_maths_and_split():
 
 
 def test_parse_metrics():
-    text = ('# HELP x\nduplexd_frames_in_total 12.0\nduplexd_frames_dropped_total{direction="in"} 3.0\n'
-            'duplexd_step_batch_size_bucket{le="+Inf"} 7.0\n')
+    text = (
+        '# HELP x\nduplexd_frames_in_total 12.0\nduplexd_frames_dropped_total{direction="in"} 3.0\n'
+        'duplexd_step_batch_size_bucket{le="+Inf"} 7.0\n'
+    )
     m = ho.parse_metrics(text)
     assert m["duplexd_frames_in_total"] == 12.0 and m['duplexd_frames_dropped_total{direction="in"}'] == 3.0
     assert m['duplexd_step_batch_size_bucket{le="+Inf"}'] == 7.0

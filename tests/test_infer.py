@@ -38,8 +38,16 @@ def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     corpus = resources.files("duplexd.engine").joinpath("data", "demo_corpus.txt").read_text().splitlines()
     train_tokenizer(corpus, root / "tok.model", 400)
-    cfg = LMConfig(dim=64, text_card=TextTokenizer(root / "tok.model").vocab_size, num_heads=4, num_layers=2,
-                   depformer_dim=32, depformer_dim_feedforward=132, depformer_num_heads=2, depformer_num_layers=2)
+    cfg = LMConfig(
+        dim=64,
+        text_card=TextTokenizer(root / "tok.model").vocab_size,
+        num_heads=4,
+        num_layers=2,
+        depformer_dim=32,
+        depformer_dim_feedforward=132,
+        depformer_num_heads=2,
+        depformer_num_layers=2,
+    )
     lm = reference_lm(cfg, seed=11)
     mimi = reference_mimi(seed=12)
     save_file(fused_state_dict(lm, cfg), str(root / "lm.safetensors"))
@@ -69,10 +77,25 @@ def test_infer_matches_the_reference(checkpoint, tmp_path, capsys):
     root, lm, mimi = checkpoint
     wav_in = tmp_path / "in.wav"
     sf.write(wav_in, speech_like(2.1, 16000), 16000)  # 16 kHz stereo: resampled and down-mixed
-    args = ["infer", str(wav_in), str(tmp_path / "out.wav"), "--moshi-weight", str(root / "lm.safetensors"),
-            "--mimi-weight", str(root / "mimi.safetensors"), "--tokenizer", str(root / "tok.model"),
-            "--config", str(root / "config.json"), "--temp", "0", "--temp-text", "0",
-            "--tokens-out", str(tmp_path / "tokens.jsonl")]
+    args = [
+        "infer",
+        str(wav_in),
+        str(tmp_path / "out.wav"),
+        "--moshi-weight",
+        str(root / "lm.safetensors"),
+        "--mimi-weight",
+        str(root / "mimi.safetensors"),
+        "--tokenizer",
+        str(root / "tok.model"),
+        "--config",
+        str(root / "config.json"),
+        "--temp",
+        "0",
+        "--temp-text",
+        "0",
+        "--tokens-out",
+        str(tmp_path / "tokens.jsonl"),
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
 

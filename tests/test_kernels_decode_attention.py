@@ -98,8 +98,9 @@ def test_default_splits_with_short_rows_and_rows_past_the_window(sms, monkeypatc
     pages wrapped, and an empty row."""
     monkeypatch.setattr(da, "multiprocessor_count", lambda device: sms)
     window, page_size, max_pages = 600, 16, 40
-    q, k_pages, v_pages, table = _case(seed=8, batch=4, heads=2, head_dim=16, page_size=page_size,
-                                       max_pages=max_pages, num_pages=4 * max_pages + 3)
+    q, k_pages, v_pages, table = _case(
+        seed=8, batch=4, heads=2, head_dim=16, page_size=page_size, max_pages=max_pages, num_pages=4 * max_pages + 3
+    )
     split_len = da._default_split_len(4, 2, window, sms)
     assert -(-window // split_len) == (3 if sms is None else 10)
     lengths = torch.tensor([5, split_len + 4, 0, 900])
@@ -110,8 +111,9 @@ def test_default_splits_with_short_rows_and_rows_past_the_window(sms, monkeypatc
     assert (out.double() - want).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("batch, split_len, splits", [(1, 192, 16), (8, 256, 12), (32, 256, 12), (64, 256, 12),
-                                                      (128, 256, 12)])
+@pytest.mark.parametrize(
+    "batch, split_len, splits", [(1, 192, 16), (8, 256, 12), (32, 256, 12), (64, 256, 12), (128, 256, 12)]
+)
 def test_split_heuristic_on_an_h200(batch, split_len, splits):
     """Moshi 7B (32 heads, a 3000-frame window) on 132 SMs: 16 splits of 192 keys (512 programs, 4 per SM) for one
     row, then never more than 256 keys per split, so a batch of 32 is 12288 programs, not 1024 whole windows."""

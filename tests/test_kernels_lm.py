@@ -11,9 +11,21 @@ from duplexd.engine.lm_gen import LMGen
 from duplexd.kernels.dispatch import force_triton
 
 # Small enough for the interpreter: 2 + 2 audio streams, so 2 DepFormer steps per frame.
-CFG = LMConfig(dim=32, text_card=45, num_heads=2, num_layers=2, depformer_dim=16, depformer_dim_feedforward=66,
-               depformer_num_heads=2, depformer_num_layers=2, card=61, context=3, n_q=4, dep_q=2,
-               delays=(0, 0, 1, 0, 1))
+CFG = LMConfig(
+    dim=32,
+    text_card=45,
+    num_heads=2,
+    num_layers=2,
+    depformer_dim=16,
+    depformer_dim_feedforward=66,
+    depformer_num_heads=2,
+    depformer_num_layers=2,
+    card=61,
+    context=3,
+    n_q=4,
+    dep_q=2,
+    delays=(0, 0, 1, 0, 1),
+)
 PARAMS = SamplingParams(text_temperature=0.9, text_topk=10, audio_temperature=0.8, audio_topk=20, seed=5)
 
 

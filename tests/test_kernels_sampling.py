@@ -50,8 +50,15 @@ def test_top_k_never_leaves_the_top_k_with_ties():
     g = torch.Generator().manual_seed(2)
     logits = torch.randint(0, 6, (n, vocab), generator=g).float()
     top_k = torch.randint(1, 12, (n,), generator=g)
-    got = sample_triton(logits, torch.full((n,), 50.0), top_k, torch.arange(n), torch.zeros(n, dtype=torch.long),
-                        stream=1, rows_per_program=64)
+    got = sample_triton(
+        logits,
+        torch.full((n,), 50.0),
+        top_k,
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.long),
+        stream=1,
+        rows_per_program=64,
+    )
     order = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # ties: lowest ids first
     for row in range(n):
         assert got[row] in order[row, : top_k[row]], row
@@ -65,8 +72,15 @@ def test_chi_square_on_a_small_vocabulary():
     expected = torch.softmax(logits[top] / temperature, 0) * n
     for draw in (sample_triton, sample_reference):
         extra = {"rows_per_program": 1024} if draw is sample_triton else {}
-        out = draw(logits.expand(n, vocab), torch.full((n,), temperature), torch.full((n,), k),
-                   torch.full((n,), 11), torch.arange(n), stream=2, **extra)
+        out = draw(
+            logits.expand(n, vocab),
+            torch.full((n,), temperature),
+            torch.full((n,), k),
+            torch.full((n,), 11),
+            torch.arange(n),
+            stream=2,
+            **extra,
+        )
         assert torch.isin(out, top).all()
         observed = torch.stack([(out == t).sum() for t in top]).double()
         chi2 = ((observed - expected) ** 2 / expected).sum()
@@ -78,8 +92,9 @@ def test_same_seed_and_step_same_token_whatever_the_batch():
     temperature = temperature + 0.5
     full = sample_triton(logits, temperature, top_k, seeds, frames, stream=5, rows_per_program=4)
     for perm in (torch.tensor([7, 3, 1]), torch.tensor([2]), torch.randperm(10, generator=torch.Generator())):
-        part = sample_triton(logits[perm], temperature[perm], top_k[perm], seeds[perm], frames[perm], stream=5,
-                             rows_per_program=8)
+        part = sample_triton(
+            logits[perm], temperature[perm], top_k[perm], seeds[perm], frames[perm], stream=5, rows_per_program=8
+        )
         assert torch.equal(part, full[perm])
     other_stream = sample_triton(logits, temperature, top_k, seeds, frames, stream=6, rows_per_program=4)
     assert not torch.equal(other_stream, full)

@@ -19,8 +19,15 @@ GREEDY = SamplingParams(text_temperature=0.0, text_topk=1, audio_temperature=0.0
 
 
 def _pool(num_pages=10, page_size=8, context=24, slots=4) -> PagedKVCache:
-    return PagedKVCache(num_layers=2, num_heads=2, head_dim=4, context=context, num_slots=slots,
-                        num_pages=num_pages, page_size=page_size)
+    return PagedKVCache(
+        num_layers=2,
+        num_heads=2,
+        head_dim=4,
+        context=context,
+        num_slots=slots,
+        num_pages=num_pages,
+        page_size=page_size,
+    )
 
 
 def test_allocation_accounting():

@@ -10,8 +10,17 @@ from duplexd.engine.demo import random_lm
 from duplexd.engine.lm_gen import UNGENERATED, LMGen
 from duplexd.kernels.sampling import sample
 
-CFG = LMConfig(dim=48, text_card=91, num_heads=3, num_layers=2, depformer_dim=32,
-               depformer_dim_feedforward=132, depformer_num_heads=2, depformer_num_layers=2, context=12)
+CFG = LMConfig(
+    dim=48,
+    text_card=91,
+    num_heads=3,
+    num_layers=2,
+    depformer_dim=32,
+    depformer_dim_feedforward=132,
+    depformer_num_heads=2,
+    depformer_num_layers=2,
+    context=12,
+)
 PARAMS = SamplingParams(text_temperature=1.0, text_topk=20, audio_temperature=1.0, audio_topk=100, seed=7)
 
 
@@ -117,6 +126,5 @@ def test_defaults_leave_tokens_unchanged(model):
         gen = kind(model, num_slots=2)
         gen.reset(0, PARAMS)
         gen.reset(1, SamplingParams(text_temperature=0.0, seed=3))
-        runs.append(torch.stack([gen.step(torch.tensor([0, 1]), codes[t].expand(2, -1)).tokens
-                                 for t in range(16)]))
+        runs.append(torch.stack([gen.step(torch.tensor([0, 1]), codes[t].expand(2, -1)).tokens for t in range(16)]))
     assert torch.equal(*runs)

@@ -18,8 +18,16 @@ from .ref_models import fused_state_dict, reference_lm
 GREEDY = SamplingParams(text_temperature=0.0, text_topk=1, audio_temperature=0.0, audio_topk=1)
 TOL = 1e-4
 # Several layers and heads, odd text vocabulary, all 16 streams and 8 DepFormer steps.
-SMALL = dict(dim=96, text_card=301, num_heads=3, num_layers=3, depformer_dim=48,
-             depformer_dim_feedforward=int(4.125 * 48), depformer_num_heads=2, depformer_num_layers=2)
+SMALL = dict(
+    dim=96,
+    text_card=301,
+    num_heads=3,
+    num_layers=3,
+    depformer_dim=48,
+    depformer_dim_feedforward=int(4.125 * 48),
+    depformer_num_heads=2,
+    depformer_num_layers=2,
+)
 
 
 class ReferenceRun:
@@ -52,8 +60,9 @@ class ReferenceRun:
 
 def _write(lm, cfg, tmp_path, naming):
     path = tmp_path / f"{naming}.safetensors"
-    tensors = ({k: v.contiguous() for k, v in lm.state_dict().items()} if naming == "module"
-               else fused_state_dict(lm, cfg))
+    tensors = (
+        {k: v.contiguous() for k, v in lm.state_dict().items()} if naming == "module" else fused_state_dict(lm, cfg)
+    )
     save_file(tensors, str(path))
     return path
 

@@ -39,7 +39,7 @@ def reference_stream(ref, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     codes, out = [], []
     with torch.no_grad(), ref.streaming(1):
         for f in range(pcm.shape[-1] // FS):
-            codes.append(ref.encode(pcm[None, None, f * FS:(f + 1) * FS]))
+            codes.append(ref.encode(pcm[None, None, f * FS : (f + 1) * FS]))
         for c in codes:
             out.append(ref.decode(c)[:, 0])
     return torch.cat(codes, -1), torch.cat(out, -1)
@@ -79,7 +79,7 @@ def test_codes_and_pcm_match_the_reference(model, signal, reference_run):
     slot = torch.tensor([1])
     # Mixed chunking: one frame, then three at once, then the rest frame by frame.
     chunks = [(0, 1), (1, 4)] + [(f, f + 1) for f in range(4, FRAMES)]
-    codes = torch.cat([streams.encode(slot, signal[None, a * FS:b * FS]) for a, b in chunks], -1)
+    codes = torch.cat([streams.encode(slot, signal[None, a * FS : b * FS]) for a, b in chunks], -1)
     assert codes.dtype == torch.long and codes.shape == (1, 8, FRAMES)
     agreement = (codes == ref_codes).float().mean().item()
     assert agreement >= 0.999, agreement
@@ -103,7 +103,7 @@ def test_slots_started_at_different_frames_and_reset_match_single_streams(model,
             got_codes[2].clear()
             got_pcm[2].clear()
         live = [s for s in (4, 0, 2) if step >= start[s]]
-        frames = torch.stack([sig[s][(step - start[s]) * FS:(step - start[s] + 1) * FS] for s in live])
+        frames = torch.stack([sig[s][(step - start[s]) * FS : (step - start[s] + 1) * FS] for s in live])
         idx = torch.tensor(live)
         codes = batched.encode(idx, frames)
         pcm = batched.decode(idx, codes)
@@ -126,8 +126,8 @@ def test_encode_and_decode_states_are_independent(model, signal, reference_run):
     slot = torch.tensor([0])
     codes, pcm = [], []
     for f in range(6):  # decode of an unrelated code sequence interleaved with encode
-        codes.append(streams.encode(slot, signal[None, f * FS:(f + 1) * FS]))
-        pcm.append(streams.decode(slot, ref_codes[:, :, f:f + 1]))
+        codes.append(streams.encode(slot, signal[None, f * FS : (f + 1) * FS]))
+        pcm.append(streams.decode(slot, ref_codes[:, :, f : f + 1]))
     assert (torch.cat(codes, -1) == ref_codes[:, :, :6]).float().mean().item() >= 0.999
     assert rel(torch.cat(pcm, -1), ref_pcm[:, : 6 * FS]) <= 1e-4
 
@@ -153,13 +153,17 @@ def test_partial_frames_and_bad_input_are_rejected(model):
 
 
 def _small(**kw) -> MimiConfig:
-    base = dict(dimension=32, n_filters=4, num_heads=2, num_layers=2, dim_feedforward=48, codebook_dim=8,
-                n_q=10, card=64)
+    base = dict(
+        dimension=32, n_filters=4, num_heads=2, num_layers=2, dim_feedforward=48, codebook_dim=8, n_q=10, card=64
+    )
     return MimiConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("cfg", [_small(context=3), _small(n_residual_layers=2, ratios=(4, 4, 3, 4, 5))],
-                         ids=["ring-wraps", "two-residual-layers"])
+@pytest.mark.parametrize(
+    "cfg",
+    [_small(context=3), _small(n_residual_layers=2, ratios=(4, 4, 3, 4, 5))],
+    ids=["ring-wraps", "two-residual-layers"],
+)
 def test_small_configs_match_the_reference(cfg, tmp_path):
     """Cheap configs that exercise the KV ring wrapping (context 3) and deeper SEANet stacks."""
     ref = reference_mimi(seed=11, mimi_config=cfg.to_reference_dict())

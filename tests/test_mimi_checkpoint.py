@@ -14,8 +14,9 @@ from duplexd.engine.models.mimi import MimiModel
 
 from .ref_models import reference_mimi
 
-CFG = MimiConfig(dimension=16, n_filters=2, num_heads=2, num_layers=2, dim_feedforward=24, codebook_dim=8,
-                 n_q=9, card=32)
+CFG = MimiConfig(
+    dimension=16, n_filters=2, num_heads=2, num_layers=2, dim_feedforward=24, codebook_dim=8, n_q=9, card=32
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,8 @@ def test_saved_weights_load_strictly_into_the_reference(ref, module_sd, tmp_path
     _same(model, fresh)
     save_mimi_weights(model, tmp_path / "c.safetensors", naming="fused")
     assert "decoder_transformer.transformer.layers.0.self_attn.in_proj_weight" in load_file(
-        str(tmp_path / "c.safetensors"))
+        str(tmp_path / "c.safetensors")
+    )
 
 
 def _write(sd: dict[str, torch.Tensor], path):

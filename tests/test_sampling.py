@@ -8,8 +8,9 @@ from duplexd.kernels.sampling import hash32, sample
 
 
 def _rows(n, **values):
-    return {k: torch.full((n,), v, dtype=torch.float32 if isinstance(v, float) else torch.long)
-            for k, v in values.items()}
+    return {
+        k: torch.full((n,), v, dtype=torch.float32 if isinstance(v, float) else torch.long) for k, v in values.items()
+    }
 
 
 def test_hash32_matches_a_python_implementation():

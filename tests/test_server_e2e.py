@@ -32,9 +32,26 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ORIGIN = "http://allowed.example"
 MAX_MESSAGE = 65536
 IDLE = 5.0  # long enough that a loaded CI machine never idles out a test session by accident (3 s did, twice)
-SERVER_ARGS = ["--max-sessions", "4", "--api-key", KEY, "--allowed-origins", ORIGIN, "--idle-timeout", str(IDLE),
-               "--max-message-bytes", str(MAX_MESSAGE), "--ws-ping-interval", "1", "--ws-ping-timeout", "1.5",
-               "--send-timeout", "2", "--max-session-seconds", "60"]
+SERVER_ARGS = [
+    "--max-sessions",
+    "4",
+    "--api-key",
+    KEY,
+    "--allowed-origins",
+    ORIGIN,
+    "--idle-timeout",
+    str(IDLE),
+    "--max-message-bytes",
+    str(MAX_MESSAGE),
+    "--ws-ping-interval",
+    "1",
+    "--ws-ping-timeout",
+    "1.5",
+    "--send-timeout",
+    "2",
+    "--max-session-seconds",
+    "60",
+]
 
 
 class Server:
@@ -64,8 +81,10 @@ class Server:
 
     def wait_idle(self) -> None:
         """No session holds a slot (the previous test's sessions are gone)."""
-        self.wait_for(lambda: self.metric("duplexd_sessions_active") == 0 and self.metric("duplexd_kv_pages_used") == 0,
-                      what="all slots free")
+        self.wait_for(
+            lambda: self.metric("duplexd_sessions_active") == 0 and self.metric("duplexd_kv_pages_used") == 0,
+            what="all slots free",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +112,21 @@ def tone(frames: int, freq: float = 220.0) -> np.ndarray:
 
 
 async def kyutai_open(server: Server, query: str = "", headers: dict | None = None, **kw):
-    return await connect(server.ws(f"/api/chat?{query}"), additional_headers=AUTH if headers is None else headers,
-                         **kw)
+    return await connect(server.ws(f"/api/chat?{query}"), additional_headers=AUTH if headers is None else headers, **kw)
 
 
-BUILD_INFO_KEYS = ("build_timestamp", "build_date", "git_branch", "git_timestamp", "git_date", "git_hash",
-                   "git_describe", "rustc_host_triple", "rustc_version", "cargo_target_triple")
+BUILD_INFO_KEYS = (
+    "build_timestamp",
+    "build_date",
+    "git_branch",
+    "git_timestamp",
+    "git_date",
+    "git_hash",
+    "git_describe",
+    "rustc_host_triple",
+    "rustc_version",
+    "cargo_target_triple",
+)
 
 
 async def kyutai_greeting(ws) -> dict:
@@ -159,8 +187,12 @@ async def closed_with(ws, timeout: float = 15) -> tuple[int, list]:
 
 
 async def realtime_open(server: Server, query: str = "", headers: dict | None = None, **kw):
-    return await connect(server.ws(f"/v1/realtime?{query}"), subprotocols=["realtime"],
-                         additional_headers=AUTH if headers is None else headers, **kw)
+    return await connect(
+        server.ws(f"/v1/realtime?{query}"),
+        subprotocols=["realtime"],
+        additional_headers=AUTH if headers is None else headers,
+        **kw,
+    )
 
 
 def append_event(pcm: np.ndarray) -> str:
@@ -202,10 +234,20 @@ def test_http_endpoints(server):
     models = server.get("/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "duplexd-demo" and models["data"][0]["demo"]
     text = server.get("/metrics").text
-    for name in ("duplexd_sessions_active", "duplexd_sessions_capacity 4.0", "duplexd_sessions_refused_total",
-                 "duplexd_step_duration_seconds_bucket", "duplexd_step_batch_size_bucket", "duplexd_frames_in_total",
-                 "duplexd_frames_out_total", "duplexd_frames_late_total", "duplexd_frames_dropped_total",
-                 "duplexd_kv_pages_used", "duplexd_frame_latency_seconds_bucket", "process_resident_memory_bytes"):
+    for name in (
+        "duplexd_sessions_active",
+        "duplexd_sessions_capacity 4.0",
+        "duplexd_sessions_refused_total",
+        "duplexd_step_duration_seconds_bucket",
+        "duplexd_step_batch_size_bucket",
+        "duplexd_frames_in_total",
+        "duplexd_frames_out_total",
+        "duplexd_frames_late_total",
+        "duplexd_frames_dropped_total",
+        "duplexd_kv_pages_used",
+        "duplexd_frame_latency_seconds_bucket",
+        "process_resident_memory_bytes",
+    ):
         assert name in text, name
     log = server.log.read_text()
     lines = log.splitlines()  # what is served is said before the port is announced (a cold cache writes the demo first)
@@ -215,12 +257,19 @@ def test_http_endpoints(server):
 
 def test_kyutai_round_trip(server):
     async def main():
-        query = ("text_temperature=0.5&text_topk=10&audio_temperature=0.6&audio_topk=50&text_seed=7&pad_mult=0.5"
-                 "&repetition_penalty=1.3&repetition_penalty_context=32")
+        query = (
+            "text_temperature=0.5&text_topk=10&audio_temperature=0.6&audio_topk=50&text_seed=7&pad_mult=0.5"
+            "&repetition_penalty=1.3&repetition_penalty_context=32"
+        )
         async with await kyutai_open(server, query) as ws:
             info = await kyutai_greeting(ws)
-            assert (info["text_temperature"], info["text_topk"], info["audio_temperature"], info["audio_topk"],
-                    info["seed"]) == (0.5, 10, 0.6, 50, 7)
+            assert (
+                info["text_temperature"],
+                info["text_topk"],
+                info["audio_temperature"],
+                info["audio_topk"],
+                info["seed"],
+            ) == (0.5, 10, 0.6, 50, 7)
             assert (info["pad_mult"], info["repetition_penalty"], info["repetition_penalty_context"]) == (0.5, 1.3, 32)
             build = info["build_info"]  # what Kyutai's web client checks: the Rust server's ten strings
             for key in BUILD_INFO_KEYS:
@@ -260,8 +309,16 @@ def test_realtime_round_trip(server):
             created = json.loads(await ws.recv())
             assert created["type"] == "session.created"
             assert created["session"]["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
-            sampling = {"text_temperature": 0.0, "text_topk": 1, "audio_temperature": 0.5, "audio_topk": 20,
-                        "seed": 3, "repetition_penalty": 1.2, "repetition_penalty_context": 16, "pad_mult": 0.5}
+            sampling = {
+                "text_temperature": 0.0,
+                "text_topk": 1,
+                "audio_temperature": 0.5,
+                "audio_topk": 20,
+                "seed": 3,
+                "repetition_penalty": 1.2,
+                "repetition_penalty_context": 16,
+                "pad_mult": 0.5,
+            }
             await ws.send(json.dumps({"type": "session.update", "session": {"sampling": sampling}}))
             updated = json.loads(await ws.recv())
             assert updated["type"] == "session.updated" and updated["session"]["sampling"] == sampling
@@ -286,6 +343,7 @@ def test_realtime_round_trip(server):
 def test_realtime_text_penalties_from_the_query_and_refused_values(server):
     """The Kyutai query parameters set a Realtime session's penalties; a bad value in a `session.update` is a
     non-fatal error naming the parameter, one in the query string refuses the connection (1007) the same way."""
+
     async def main():
         query = "repetition_penalty=1.5&repetition_penalty_context=8&pad_mult=-1&seed=9"
         async with await realtime_open(server, query) as ws:
@@ -301,9 +359,9 @@ def test_realtime_text_penalties_from_the_query_and_refused_values(server):
 
     created, error, updated, code, refused = run(main())
     assert created["session"]["sampling"]["seed"] == 9
-    assert {k: created["session"]["sampling"][k] for k in ("repetition_penalty", "repetition_penalty_context",
-                                                            "pad_mult")} == {
-        "repetition_penalty": 1.5, "repetition_penalty_context": 8, "pad_mult": -1.0}
+    assert {
+        k: created["session"]["sampling"][k] for k in ("repetition_penalty", "repetition_penalty_context", "pad_mult")
+    } == {"repetition_penalty": 1.5, "repetition_penalty_context": 8, "pad_mult": -1.0}
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["code"] == "invalid_value" and error["error"]["param"] == "session.sampling.pad_mult"
     assert error["error"]["event_id"] == "u1" and "pad_mult" in error["error"]["message"]
@@ -335,8 +393,10 @@ def test_four_concurrent_sessions_then_capacity_refusal(server):
             code, received = await closed_with(ws, timeout=5)
             error = json.loads(received[-1])
             assert code == 1013 and error["type"] == "error" and error["error"]["code"] == "resource_exhausted"
-        results = await asyncio.gather(*(kyutai_exchange(ws, 10, pace=0.04) for ws in kyutai),
-                                       *(realtime_exchange(ws, 10, pace=0.04) for ws in realtime))
+        results = await asyncio.gather(
+            *(kyutai_exchange(ws, 10, pace=0.04) for ws in kyutai),
+            *(realtime_exchange(ws, 10, pace=0.04) for ws in realtime),
+        )
         for ws in kyutai + realtime:
             await ws.close()
         return results
@@ -381,8 +441,14 @@ BAD_INPUTS = [
     ("realtime-nan-pad-mult", "realtime", AUTH, "pad_mult=nan", None, 1007),
     ("realtime-event-id-not-a-string", "realtime", AUTH, "", '{"type": "response.create", "event_id": 1}', 1007),
     ("realtime-binary-frame", "realtime", AUTH, "", b"\x01\x02", 1003),
-    ("realtime-oversize", "realtime", AUTH, "", json.dumps({"type": "input_audio_buffer.append",
-                                                            "audio": "A" * MAX_MESSAGE}), 1009),
+    (
+        "realtime-oversize",
+        "realtime",
+        AUTH,
+        "",
+        json.dumps({"type": "input_audio_buffer.append", "audio": "A" * MAX_MESSAGE}),
+        1009,
+    ),
     ("realtime-wrong-key", "realtime", {"Authorization": "Bearer nope"}, "", None, 1008),
     ("realtime-bad-origin", "realtime", {**AUTH, "Origin": "http://evil.example"}, "", None, 1008),
 ]
@@ -510,8 +576,12 @@ asyncio.run(main())
 
 def test_killed_client_frees_its_slot(server):
     server.wait_idle()
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT, server.ws("/api/chat"), KEY], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, server.ws("/api/chat"), KEY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.strip() == "streaming", proc.stderr.read()
@@ -546,7 +616,9 @@ class _Printer:
 
 class _Stream:
     def __init__(self, **kw) -> None: ...
-    def __enter__(self): return self
+    def __enter__(self):
+        return self
+
     def __exit__(self, *a) -> None: ...
 
 

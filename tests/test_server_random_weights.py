@@ -32,12 +32,15 @@ def test_serve_random_weights_answers_and_says_so(tmp_path):
     assert "RANDOM weights" in text and "Traceback" not in text, text[-3000:]
 
 
-@pytest.mark.parametrize("given, message", [
-    ({"random_weights": "nope"}, "unknown preset 'nope'"),
-    ({"random_weights": "demo", "tokenizer": "tok.model"}, "leave out --tokenizer"),
-    ({"random_weights": "moshi-7b", "hf_repo": "a/b"}, "leave out --hf-repo"),
-    ({"random_weights": "moshi-7b", "mimi_preset": "demo"}, "pairs with Mimi preset 'mimi'"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"random_weights": "nope"}, "unknown preset 'nope'"),
+        ({"random_weights": "demo", "tokenizer": "tok.model"}, "leave out --tokenizer"),
+        ({"random_weights": "moshi-7b", "hf_repo": "a/b"}, "leave out --hf-repo"),
+        ({"random_weights": "moshi-7b", "mimi_preset": "demo"}, "pairs with Mimi preset 'mimi'"),
+    ],
+)
 def test_random_weights_settings_are_checked(given, message):
     with pytest.raises(SettingsError, match=message):
         settings_from_args(argparse.Namespace(**given))

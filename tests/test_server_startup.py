@@ -19,16 +19,25 @@ def test_bad_weights_exit_before_binding_the_port(tmp_path):
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + bytes(100))
     files = ["--tokenizer", str(demo.tokenizer), "--config", str(demo.config), "--mimi-preset", "demo"]
     cases = {
-        "missing LM": (["--moshi-weight", str(tmp_path / "nope.safetensors"), "--mimi-weight", str(demo.mimi), *files],
-                       "file not found"),
-        "corrupt Mimi": (["--moshi-weight", str(demo.lm), "--mimi-weight", str(corrupt), *files],
-                         "not a readable safetensors file"),
+        "missing LM": (
+            ["--moshi-weight", str(tmp_path / "nope.safetensors"), "--mimi-weight", str(demo.mimi), *files],
+            "file not found",
+        ),
+        "corrupt Mimi": (
+            ["--moshi-weight", str(demo.lm), "--mimi-weight", str(corrupt), *files],
+            "not a readable safetensors file",
+        ),
         "bad setting": (["--max-sessions", "0"], "--max-sessions 0"),
     }
     port = free_port()
     procs = {  # all at once: each pays for importing torch
-        name: subprocess.Popen([sys.executable, "-m", "duplexd", "serve", "--port", str(port), *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        name: subprocess.Popen(
+            [sys.executable, "-m", "duplexd", "serve", "--port", str(port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
+        )
         for name, (args, _) in cases.items()
     }
     for name, proc in procs.items():

@@ -40,21 +40,46 @@ def test_protocol_framing():
 
 
 def test_sampling_from_query_uses_the_rust_server_names():
-    params = sampling_from_query({"text_temperature": "0.5", "text_topk": "10", "audio_temperature": "0",
-                                  "audio_topk": "5", "text_seed": "7", "pad_mult": "1.5", "repetition_penalty": "1.2",
-                                  "repetition_penalty_context": "32", "email": "x"})
-    assert params == SamplingParams(0.5, 10, 0.0, 5, 7, repetition_penalty=1.2, repetition_penalty_context=32,
-                                    pad_mult=1.5)
+    params = sampling_from_query(
+        {
+            "text_temperature": "0.5",
+            "text_topk": "10",
+            "audio_temperature": "0",
+            "audio_topk": "5",
+            "text_seed": "7",
+            "pad_mult": "1.5",
+            "repetition_penalty": "1.2",
+            "repetition_penalty_context": "32",
+            "email": "x",
+        }
+    )
+    assert params == SamplingParams(
+        0.5, 10, 0.0, 5, 7, repetition_penalty=1.2, repetition_penalty_context=32, pad_mult=1.5
+    )
     assert sampling_from_query({"audio_seed": "3", "text_seed": "7"}).seed == 3
     defaults = sampling_from_query({})
     assert (defaults.text_temperature, defaults.text_topk, defaults.audio_temperature, defaults.audio_topk) == (
-        0.7, 25, 0.8, 250)
+        0.7,
+        25,
+        0.8,
+        250,
+    )
     assert len({sampling_from_query({}).seed for _ in range(3)}) > 1  # a fresh seed per session by default
     assert (defaults.repetition_penalty, defaults.repetition_penalty_context, defaults.pad_mult) == (1.0, 64, 0.0)
-    for bad in ({"text_topk": "1.5"}, {"text_temperature": "nan"}, {"audio_topk": "0"}, {"seed": "x"},
-                {"repetition_penalty": "0"}, {"repetition_penalty": "-1"}, {"repetition_penalty": "inf"},
-                {"repetition_penalty_context": "-1"}, {"repetition_penalty_context": "257"},
-                {"repetition_penalty_context": "1.5"}, {"pad_mult": "inf"}, {"pad_mult": "nan"}):
+    for bad in (
+        {"text_topk": "1.5"},
+        {"text_temperature": "nan"},
+        {"audio_topk": "0"},
+        {"seed": "x"},
+        {"repetition_penalty": "0"},
+        {"repetition_penalty": "-1"},
+        {"repetition_penalty": "inf"},
+        {"repetition_penalty_context": "-1"},
+        {"repetition_penalty_context": "257"},
+        {"repetition_penalty_context": "1.5"},
+        {"pad_mult": "inf"},
+        {"pad_mult": "nan"},
+    ):
         with pytest.raises(BadQuery):
             sampling_from_query(bad)
     assert max_frames_from_query({"max_steps": "100"}) == 100 and max_frames_from_query({}) is None
@@ -100,35 +125,43 @@ def test_realtime_audio_and_events():
         with pytest.raises(Close) as info:
             ev.decode_audio(_append(bad))
         assert info.value.code == CloseCode.INVALID_PAYLOAD and info.value.error == error
-    for text, code, error in (("{", CloseCode.INVALID_PAYLOAD, "invalid_json"),
-                              ('{"no": "type"}', CloseCode.INVALID_PAYLOAD, "invalid_event"),
-                              ('{"type": 5}', CloseCode.INVALID_PAYLOAD, "invalid_event"),
-                              ("[1, 2]", CloseCode.INVALID_PAYLOAD, "invalid_event"),
-                              ('{"type": "response.create", "event_id": 3}', CloseCode.INVALID_PAYLOAD,
-                               "invalid_event"),
-                              ('{"type": "input_audio_buffer.append"}', CloseCode.INVALID_PAYLOAD, "invalid_audio"),
-                              ('{"type": "input_audio_buffer.append", "audio": 1}', CloseCode.INVALID_PAYLOAD,
-                               "invalid_audio"),
-                              ('{"type": "dance.start"}', CloseCode.PROTOCOL_ERROR, "unknown_event")):
+    for text, code, error in (
+        ("{", CloseCode.INVALID_PAYLOAD, "invalid_json"),
+        ('{"no": "type"}', CloseCode.INVALID_PAYLOAD, "invalid_event"),
+        ('{"type": 5}', CloseCode.INVALID_PAYLOAD, "invalid_event"),
+        ("[1, 2]", CloseCode.INVALID_PAYLOAD, "invalid_event"),
+        ('{"type": "response.create", "event_id": 3}', CloseCode.INVALID_PAYLOAD, "invalid_event"),
+        ('{"type": "input_audio_buffer.append"}', CloseCode.INVALID_PAYLOAD, "invalid_audio"),
+        ('{"type": "input_audio_buffer.append", "audio": 1}', CloseCode.INVALID_PAYLOAD, "invalid_audio"),
+        ('{"type": "dance.start"}', CloseCode.PROTOCOL_ERROR, "unknown_event"),
+    ):
         refusal = _refused(text)
         assert isinstance(refusal, Close) and (refusal.code, refusal.error) == (code, error), text
     turn = ev.parse_event('{"type": "response.create", "event_id": "e1", "response": {}}')
     assert isinstance(turn, ev.TurnEvent) and turn.event_id == "e1"
     assert {type(ev.parse_event(json.dumps({"type": t}))) for t in ev.UNSUPPORTED} == {ev.TurnEvent}
-    update = ev.parse_event(json.dumps({"type": "session.update", "session": {"sampling": {"audio_topk": 7},
-                                                                              "instructions": "ignored"}}))
+    update = ev.parse_event(
+        json.dumps({"type": "session.update", "session": {"sampling": {"audio_topk": 7}, "instructions": "ignored"}})
+    )
     assert isinstance(update, ev.SessionUpdate)
     assert update.sampling(SamplingParams(seed=1)) == SamplingParams(audio_topk=7, seed=1)
     for session, code, param in (
-            ({"sampling": {"audio_topk": 0}}, "invalid_value", "session.sampling.audio_topk"),
-            ({"sampling": {"pitch": 1}}, "invalid_value", "session.sampling.pitch"),
-            ({"sampling": 7}, "invalid_value", "session.sampling"),
-            ("nope", "invalid_value", "session"),
-            ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "unsupported_audio_format",
-             "session.audio.input.format"),
-            ({"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "unsupported_audio_format",
-             "session.audio.output.format"),
-            ({"input_audio_format": "g711_ulaw"}, "unsupported_audio_format", "session.input_audio_format")):
+        ({"sampling": {"audio_topk": 0}}, "invalid_value", "session.sampling.audio_topk"),
+        ({"sampling": {"pitch": 1}}, "invalid_value", "session.sampling.pitch"),
+        ({"sampling": 7}, "invalid_value", "session.sampling"),
+        ("nope", "invalid_value", "session"),
+        (
+            {"audio": {"input": {"format": {"type": "audio/pcmu"}}}},
+            "unsupported_audio_format",
+            "session.audio.input.format",
+        ),
+        (
+            {"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+            "unsupported_audio_format",
+            "session.audio.output.format",
+        ),
+        ({"input_audio_format": "g711_ulaw"}, "unsupported_audio_format", "session.input_audio_format"),
+    ):
         refusal = _refused(json.dumps({"type": "session.update", "event_id": "u1", "session": session}))
         assert isinstance(refusal, ev.RealtimeError), session
         assert (refusal.code, refusal.param, refusal.event_id) == (code, param, "u1")
@@ -147,9 +180,16 @@ def test_realtime_text_penalties_in_session_update_query_and_session_object():
     assert sampling_from_query({k: str(v) for k, v in knobs.items()}, SamplingParams(seed=2)) == params
     echoed = ev.session_object("sess", "model", params, 60.0)["sampling"]
     assert {k: echoed[k] for k in knobs} == knobs
-    for bad in ({"repetition_penalty": 0}, {"repetition_penalty": -1.0}, {"repetition_penalty": "1e999"},
-                {"repetition_penalty_context": -1}, {"repetition_penalty_context": 257},
-                {"repetition_penalty_context": 1.5}, {"pad_mult": "NaN"}, {"pad_mult": "fast"}):
+    for bad in (
+        {"repetition_penalty": 0},
+        {"repetition_penalty": -1.0},
+        {"repetition_penalty": "1e999"},
+        {"repetition_penalty_context": -1},
+        {"repetition_penalty_context": 257},
+        {"repetition_penalty_context": 1.5},
+        {"pad_mult": "NaN"},
+        {"pad_mult": "fast"},
+    ):
         refusal = _refused(json.dumps({"type": "session.update", "session": {"sampling": bad}}))
         name = next(iter(bad))
         assert isinstance(refusal, ev.RealtimeError) and refusal.code == "invalid_value", bad
@@ -172,8 +212,12 @@ def _conn(headers: dict[str, str], query: str = "") -> Request:
 
 def test_access_checks():
     assert access_denied(_conn({}), None, []) is None
-    for headers, query in (({"Authorization": "Bearer k"}, ""), ({"kyutai-api-key": "k"}, ""), ({}, "api_key=k"),
-                           ({"Sec-WebSocket-Protocol": "realtime, openai-insecure-api-key.k"}, "")):
+    for headers, query in (
+        ({"Authorization": "Bearer k"}, ""),
+        ({"kyutai-api-key": "k"}, ""),
+        ({}, "api_key=k"),
+        ({"Sec-WebSocket-Protocol": "realtime, openai-insecure-api-key.k"}, ""),
+    ):
         assert presented_key(_conn(headers, query)) == "k"
         assert access_denied(_conn(headers, query), "k", []) is None
     assert access_denied(_conn({"Authorization": "Bearer x"}), "k", [])[0] == "invalid_api_key"
@@ -230,8 +274,14 @@ def test_ready_only_once_warm():
             if client.get("/ready").status_code == 200:
                 break
             threading.Event().wait(0.01)
-        assert client.get("/ready").json() == {"ready": True, "warm": True, "admissible_sessions": 2, "capacity": 2,
-                                               "draining": False, "open_sessions": 0}
+        assert client.get("/ready").json() == {
+            "ready": True,
+            "warm": True,
+            "admissible_sessions": 2,
+            "capacity": 2,
+            "draining": False,
+            "open_sessions": 0,
+        }
         assert client.get("/v1/models").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "m"
 
@@ -305,9 +355,15 @@ def test_realtime_pcm16_and_audio_delta_template():
     assert ev.decode_audio(_append(raw)).tolist() == [-1.0, -1 / 32768, 0.0, 1 / 32768, 32767 / 32768]
     deltas = ev.AudioDeltas('resp_"quoted"', "item\\1")
     first, second = json.loads(deltas(pcm)), json.loads(deltas(pcm[:960]))
-    assert first == {"type": "response.output_audio.delta", "event_id": first["event_id"],
-                     "response_id": 'resp_"quoted"', "item_id": "item\\1", "output_index": 0, "content_index": 0,
-                     "delta": ev.encode_audio(pcm)}
+    assert first == {
+        "type": "response.output_audio.delta",
+        "event_id": first["event_id"],
+        "response_id": 'resp_"quoted"',
+        "item_id": "item\\1",
+        "output_index": 0,
+        "content_index": 0,
+        "delta": ev.encode_audio(pcm),
+    }
     assert len(base64.b64decode(second["delta"])) == 1920
     ids = {first["event_id"], second["event_id"], *(ev.event_id() for _ in range(1000))}
     assert len(ids) == 1002 and all(i.startswith("event_") for i in ids)

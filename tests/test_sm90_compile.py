@@ -29,8 +29,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")  # compile for real, never from a previous run's cache
     out = tmp / "report.json"
-    proc = subprocess.run([sys.executable, str(HELPER), "--json", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HELPER), "--json", str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"{HELPER.name} failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text()) | {"table": proc.stdout}
 
@@ -48,8 +49,11 @@ def test_every_launch_compiles(report):
 
 
 def test_no_register_spills(report):
-    spilled = [f"{_describe(v)}: {v['spill_stores']} B spill stores, {v['spill_loads']} B spill loads"
-               for v in engine_variants(report) if not v["error"] and v["spill_stores"] + v["spill_loads"]]
+    spilled = [
+        f"{_describe(v)}: {v['spill_stores']} B spill stores, {v['spill_loads']} B spill loads"
+        for v in engine_variants(report)
+        if not v["error"] and v["spill_stores"] + v["spill_loads"]
+    ]
     assert not spilled, "\n".join(spilled) + "\n" + report["table"]
 
 

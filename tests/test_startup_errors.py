@@ -30,19 +30,62 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
     "mps absent": (["serve", "--device", "mps"], "--device mps: this machine has no MPS device", {}),
     "device twice": (["serve", "--device", "cpu", "--device", "cpu"], "--device cpu: given twice", {}),
     "device from the environment": (["serve"], "DUPLEXD_DEVICES cuda:5:", {"DUPLEXD_DEVICES": "cuda:5"}),
-    "missing LM": (["serve", "--moshi-weight", "{tmp}/nope.safetensors", "--mimi-weight", "{demo.mimi}",
-                    "--tokenizer", "{demo.tokenizer}", "--config", "{demo.config}", "--mimi-preset", "demo"],
-                   "--moshi-weight {tmp}/nope.safetensors: file not found", {}),
-    "corrupt Mimi": (["serve", "--moshi-weight", "{demo.lm}", "--mimi-weight", "{tmp}/corrupt.safetensors",
-                      "--tokenizer", "{demo.tokenizer}", "--config", "{demo.config}", "--mimi-preset", "demo"],
-                     "--mimi-weight {tmp}/corrupt.safetensors: not a readable safetensors file", {}),
+    "missing LM": (
+        [
+            "serve",
+            "--moshi-weight",
+            "{tmp}/nope.safetensors",
+            "--mimi-weight",
+            "{demo.mimi}",
+            "--tokenizer",
+            "{demo.tokenizer}",
+            "--config",
+            "{demo.config}",
+            "--mimi-preset",
+            "demo",
+        ],
+        "--moshi-weight {tmp}/nope.safetensors: file not found",
+        {},
+    ),
+    "corrupt Mimi": (
+        [
+            "serve",
+            "--moshi-weight",
+            "{demo.lm}",
+            "--mimi-weight",
+            "{tmp}/corrupt.safetensors",
+            "--tokenizer",
+            "{demo.tokenizer}",
+            "--config",
+            "{demo.config}",
+            "--mimi-preset",
+            "demo",
+        ],
+        "--mimi-weight {tmp}/corrupt.safetensors: not a readable safetensors file",
+        {},
+    ),
     "config not JSON": (["serve", "--config", "{tmp}/bad.json"], "--config {tmp}/bad.json: not valid JSON", {}),
     "config not an object": (["serve", "--config", "{tmp}/list.json"], "--config {tmp}/list.json: must hold", {}),
-    "config not supported": (["serve", "--config", "{tmp}/layer_norm.json"], "--config {tmp}/layer_norm.json: bad "
-                             "config: config key 'norm'", {}),
-    "tokenizer not sentencepiece": (["serve", "--moshi-weight", "{demo.lm}", "--mimi-weight", "{demo.mimi}",
-                                     "--tokenizer", "{tmp}/bad.json", "--mimi-preset", "demo"],
-                                    "--tokenizer {tmp}/bad.json: not a sentencepiece model", {}),
+    "config not supported": (
+        ["serve", "--config", "{tmp}/layer_norm.json"],
+        "--config {tmp}/layer_norm.json: bad config: config key 'norm'",
+        {},
+    ),
+    "tokenizer not sentencepiece": (
+        [
+            "serve",
+            "--moshi-weight",
+            "{demo.lm}",
+            "--mimi-weight",
+            "{demo.mimi}",
+            "--tokenizer",
+            "{tmp}/bad.json",
+            "--mimi-preset",
+            "demo",
+        ],
+        "--tokenizer {tmp}/bad.json: not a sentencepiece model",
+        {},
+    ),
     "files half given": (["serve", "--moshi-weight", "{demo.lm}"], "error: --mimi-weight, --tokenizer: missing", {}),
     "hf repo offline": (["serve", "--hf-repo", "kyutai/no-such-repo"], "--hf-repo hf://kyutai/no-such-repo/", {}),
     "hf repo malformed": (["serve", "--hf-repo", "not a/repo id"], "--hf-repo", {}),
@@ -54,30 +97,60 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
     "not a size": (["serve", "--kv-memory", "lots"], "--kv-memory lots: could not parse", {}),
     "message limit too small": (["serve", "--max-message-bytes", "100"], "--max-message-bytes 100:", {}),
     "bad dtype": (["serve", "--dtype", "float8"], "argument --dtype: invalid choice", {}),
-    "certificate missing": (["serve", "--ssl-certfile", "{tmp}/cert.pem", "--ssl-keyfile", "{tmp}/key.pem"],
-                            "--ssl-certfile {tmp}/cert.pem: file not found", {}),
+    "certificate missing": (
+        ["serve", "--ssl-certfile", "{tmp}/cert.pem", "--ssl-keyfile", "{tmp}/key.pem"],
+        "--ssl-certfile {tmp}/cert.pem: file not found",
+        {},
+    ),
     "certificate without key": (["serve", "--ssl-certfile", "{tmp}/bad.json"], "--ssl-keyfile", {}),
-    "certificate not PEM": (["serve", "--ssl-certfile", "{tmp}/bad.json", "--ssl-keyfile", "{tmp}/bad.json"],
-                            "--ssl-certfile {tmp}/bad.json / --ssl-keyfile {tmp}/bad.json: not a PEM", {}),
+    "certificate not PEM": (
+        ["serve", "--ssl-certfile", "{tmp}/bad.json", "--ssl-keyfile", "{tmp}/bad.json"],
+        "--ssl-certfile {tmp}/bad.json / --ssl-keyfile {tmp}/bad.json: not a PEM",
+        {},
+    ),
     "static folder missing": (["serve", "--static", "{tmp}/web"], "--static {tmp}/web: directory not found", {}),
     "host unknown": (["serve", "--host", "no-such-host.invalid"], "--host no-such-host.invalid: not a known host", {}),
     "host not this machine's": (["serve", "--host", "192.0.2.1"], "--host 192.0.2.1: cannot bind", {}),
     "port in use": (["serve", "--port", "{busy}"], "--port {busy}: 127.0.0.1:{busy} is already in use", {}),
-    "unknown random-weights preset": (["serve", "--random-weights", "moshi-70b"],
-                                      "--random-weights moshi-70b: unknown preset", {}),
-    "random weights with files": (["serve", "--random-weights", "demo", "--tokenizer", "{demo.tokenizer}"],
-                                  "leave out --tokenizer", {}),
-    "infer on a missing device": (["infer", "{tmp}/in.wav", "{tmp}/out.wav", "--device", "cuda:3"],
-                                  "--device cuda:3: this machine", {}),
+    "unknown random-weights preset": (
+        ["serve", "--random-weights", "moshi-70b"],
+        "--random-weights moshi-70b: unknown preset",
+        {},
+    ),
+    "random weights with files": (
+        ["serve", "--random-weights", "demo", "--tokenizer", "{demo.tokenizer}"],
+        "leave out --tokenizer",
+        {},
+    ),
+    "infer on a missing device": (
+        ["infer", "{tmp}/in.wav", "{tmp}/out.wav", "--device", "cuda:3"],
+        "--device cuda:3: this machine",
+        {},
+    ),
     "infer of a missing file": (["infer", "{tmp}/none.wav", "{tmp}/out.wav"], "cannot read audio from", {}),
     "infer into a missing folder": (["infer", "{tmp}/in.wav", "{tmp}/no/out.wav"], "its directory does not", {}),
-    "infer with a corrupt LM": (["infer", "{tmp}/in.wav", "{tmp}/out.wav", "--moshi-weight", "{tmp}/corrupt"
-                                 ".safetensors", "--mimi-weight", "{demo.mimi}", "--tokenizer", "{demo.tokenizer}"],
-                                "--moshi-weight {tmp}/corrupt.safetensors: not a readable safetensors", {}),
+    "infer with a corrupt LM": (
+        [
+            "infer",
+            "{tmp}/in.wav",
+            "{tmp}/out.wav",
+            "--moshi-weight",
+            "{tmp}/corrupt.safetensors",
+            "--mimi-weight",
+            "{demo.mimi}",
+            "--tokenizer",
+            "{demo.tokenizer}",
+        ],
+        "--moshi-weight {tmp}/corrupt.safetensors: not a readable safetensors",
+        {},
+    ),
     "infer with negative top-k": (["infer", "{tmp}/in.wav", "{tmp}/out.wav", "--topk", "-1"], "--topk", {}),
     "generate on a missing device": (["generate", "--device", "cuda"], "--device cuda: this machine", {}),
-    "generate from a missing file": (["generate", "--weights", "{tmp}/nope.safetensors"],
-                                     "--weights {tmp}/nope.safetensors: file not found", {}),
+    "generate from a missing file": (
+        ["generate", "--weights", "{tmp}/nope.safetensors"],
+        "--weights {tmp}/nope.safetensors: file not found",
+        {},
+    ),
     "generate with a bad config": (["generate", "--config", "{tmp}/bad.json"], "--config {tmp}/bad.json", {}),
     "generate zero frames": (["generate", "--frames", "0"], "--frames 0: must be at least 1", {}),
 }
@@ -91,18 +164,33 @@ def _files(tmp: Path) -> None:
     sf.write(tmp / "in.wav", np.zeros(4800, np.float32), 24000)
 
 
-def _forked(jobs: dict[str, tuple[list[str], str, dict[str, str]]], tmp: Path, env: dict[str, str]) \
-        -> dict[str, subprocess.CompletedProcess]:
+def _forked(
+    jobs: dict[str, tuple[list[str], str, dict[str, str]]], tmp: Path, env: dict[str, str]
+) -> dict[str, subprocess.CompletedProcess]:
     """Each job's command line run by `tests.forked_cli`, as if by `subprocess.run`."""
     root = Path(__file__).resolve().parents[1]
-    spec = [{"argv": argv, "env": case_env, "out": str(tmp / f"job{i}")}
-            for i, (argv, _, case_env) in enumerate(jobs.values())]
-    subprocess.run([sys.executable, "-m", "tests.forked_cli"], input=json.dumps(spec), text=True, env=env,
-                   cwd=root, check=True, timeout=120)
-    return {name: subprocess.CompletedProcess(argv, int(Path(f"{job['out']}.rc").read_text()),
-                                              Path(f"{job['out']}.stdout").read_text(),
-                                              Path(f"{job['out']}.stderr").read_text())
-            for (name, (argv, _, _)), job in zip(jobs.items(), spec, strict=True)}
+    spec = [
+        {"argv": argv, "env": case_env, "out": str(tmp / f"job{i}")}
+        for i, (argv, _, case_env) in enumerate(jobs.values())
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "tests.forked_cli"],
+        input=json.dumps(spec),
+        text=True,
+        env=env,
+        cwd=root,
+        check=True,
+        timeout=120,
+    )
+    return {
+        name: subprocess.CompletedProcess(
+            argv,
+            int(Path(f"{job['out']}.rc").read_text()),
+            Path(f"{job['out']}.stdout").read_text(),
+            Path(f"{job['out']}.stderr").read_text(),
+        )
+        for (name, (argv, _, _)), job in zip(jobs.items(), spec, strict=True)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +207,10 @@ def results(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, st
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         fill = {"tmp": tmp, "demo": demo, "busy": busy.getsockname()[1]}
-        jobs = {name: ([arg.format(**fill) for arg in argv], expected.format(**fill), {**env, **extra})
-                for name, (argv, expected, extra) in CASES.items()}
+        jobs = {
+            name: ([arg.format(**fill) for arg in argv], expected.format(**fill), {**env, **extra})
+            for name, (argv, expected, extra) in CASES.items()
+        }
         procs = _forked(jobs, tmp, env)
     return {name: (procs[name], jobs[name][1]) for name in jobs}
 
@@ -139,11 +229,13 @@ def test_startup_error(results, name):
     assert "loading the LM" not in err and "loaded LM" not in err, err  # refused before any model is loaded
 
 
-
-@pytest.mark.parametrize("argv, expected", [
-    (["serve", "--device", "cuda:3", "--max-sessions", "2"], "duplexd serve: error: --device cuda:3: this machine"),
-    (["infer", "in.wav", "out.wav", "--device", "npu"], "duplexd infer: error: --device npu: not a device name"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["serve", "--device", "cuda:3", "--max-sessions", "2"], "duplexd serve: error: --device cuda:3: this machine"),
+        (["infer", "in.wav", "out.wav", "--device", "npu"], "duplexd infer: error: --device npu: not a device name"),
+    ],
+)
 def test_the_installed_command(tmp_path, argv, expected):
     """The console script itself, as a user runs it."""
     command = shutil.which("duplexd", path=str(Path(sys.executable).parent)) or "duplexd"

@@ -19,8 +19,9 @@ PAD, EOP, START = 3, 0, 32000
 SKIP = (PAD, EOP, START)
 
 
-def rules(logits: list[float], history: list[int], penalty: float, context: int, pad_mult: float,
-          temperature: float) -> list[float]:
+def rules(
+    logits: list[float], history: list[int], penalty: float, context: int, pad_mult: float, temperature: float
+) -> list[float]:
     """The Rust server's rules, one row, as loops over lists."""
     out = list(logits)
     met: list[int] = []
@@ -47,7 +48,7 @@ def _batch(rows: int, vocab: int, hist_len: int, seed: int):
     history = torch.randint(0, 12, (rows, hist_len), generator=g)
     history[:, 1::4] = torch.tensor(SKIP)[torch.randint(0, 2, (rows, 1), generator=g)]
     for row in range(rows):
-        history[row, torch.randint(0, hist_len + 1, (1,), generator=g).item():] = -1
+        history[row, torch.randint(0, hist_len + 1, (1,), generator=g).item() :] = -1
     penalty = torch.rand(rows, generator=g) * 3 + 0.2  # < 1 and > 1
     context = torch.randint(0, hist_len + 10, (rows,), generator=g)  # shorter and longer than the history
     pad_mult = torch.randn(rows, generator=g) * 2
@@ -57,11 +58,20 @@ def _batch(rows: int, vocab: int, hist_len: int, seed: int):
 
 
 def _expected(logits, history, penalty, context, pad_mult, temperature) -> torch.Tensor:
-    return torch.tensor([
-        rules(logits[r].tolist(), history[r].tolist(), penalty[r].item(), int(context[r]), pad_mult[r].item(),
-              temperature[r].item())
-        for r in range(len(logits))
-    ], dtype=torch.float32)
+    return torch.tensor(
+        [
+            rules(
+                logits[r].tolist(),
+                history[r].tolist(),
+                penalty[r].item(),
+                int(context[r]),
+                pad_mult[r].item(),
+                temperature[r].item(),
+            )
+            for r in range(len(logits))
+        ],
+        dtype=torch.float32,
+    )
 
 
 @pytest.mark.parametrize("hist_len", [3, 7, 40])
@@ -101,8 +111,9 @@ def test_triton_sampling_with_pad_mult_draws_the_reference_tokens(vocab, block_v
     top_k, seeds, frames = _sampling(12, vocab, seed=vocab)
     penalised = repetition_penalty_reference(logits, history, penalty, context, SKIP)
     ref = sample_reference(penalised, temperature, top_k, seeds, frames, 0, PAD, pad_mult)
-    got = sample_triton(penalised, temperature, top_k, seeds, frames, 0, PAD, pad_mult, rows_per_program=4,
-                        block_v=block_v)
+    got = sample_triton(
+        penalised, temperature, top_k, seeds, frames, 0, PAD, pad_mult, rows_per_program=4, block_v=block_v
+    )
     assert torch.equal(got, ref)
     # ... and the same as sampling the fully penalised logits (pad bias included) with no pad_mult.
     full = text_penalties_reference(logits, history, penalty, context, SKIP, PAD, pad_mult, temperature)
@@ -136,8 +147,9 @@ def test_defaults_are_bit_identical():
     plain = sample_reference(logits, temperature, top_k, seeds, frames, 0)
     assert torch.equal(sample_reference(logits, temperature, top_k, seeds, frames, 0, PAD, zeros), plain)
     plain_triton = sample_triton(logits, temperature, top_k, seeds, frames, 0, rows_per_program=4)
-    assert torch.equal(sample_triton(logits, temperature, top_k, seeds, frames, 0, PAD, zeros,
-                                     rows_per_program=4), plain_triton)
+    assert torch.equal(
+        sample_triton(logits, temperature, top_k, seeds, frames, 0, PAD, zeros, rows_per_program=4), plain_triton
+    )
 
 
 def test_a_penalty_changes_greedy_tokens():

@@ -38,10 +38,19 @@ def server(tmp_path_factory):
 def browser(tmp_path_factory):
     wav = tmp_path_factory.mktemp("mic") / "mic.wav"
     write_wav(str(wav), speech_like(4.0, seed=5))
-    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--use-fake-device-for-media-stream",
-            "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={wav}",
-            "--autoplay-policy=no-user-gesture-required"]
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--use-fake-device-for-media-stream",
+        "--use-fake-ui-for-media-stream",
+        f"--use-file-for-fake-audio-capture={wav}",
+        "--autoplay-policy=no-user-gesture-required",
+    ]
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         yield b
@@ -90,8 +99,9 @@ def test_talks_hears_and_reads_the_model(server, page, tmp_path):
     assert first.endswith("ms")
     save(page, tmp_path, "web-chat.png")
     before = frames(page)  # still streaming (12.5 frames a second; generous on a loaded machine)
-    page.wait_for_function(f"Number(document.getElementById('frames-received').textContent) >= {before + 5}",
-                           timeout=5000)
+    page.wait_for_function(
+        f"Number(document.getElementById('frames-received').textContent) >= {before + 5}", timeout=5000
+    )
     page.click("#stop")
     page.wait_for_selector("#state[data-state=idle]")
     assert page.is_hidden("#message")

@@ -463,8 +463,9 @@ class Attention(nn.Module):
         keys = torch.cat([k_hist, k], dim=1)
         vals = torch.cat([v_hist, v], dim=1)
         key_valid = torch.cat([hist_valid, hist_valid.new_ones(b, n)], dim=1)[:, None]
-        out = self.attend(q.transpose(1, 2)[:, :, None], keys.transpose(1, 2)[:, :, None],
-                          vals.transpose(1, 2)[:, :, None], key_valid)
+        out = self.attend(
+            q.transpose(1, 2)[:, :, None], keys.transpose(1, 2)[:, :, None], vals.transpose(1, 2)[:, :, None], key_valid
+        )
         out = out[:, :, 0].transpose(1, 2).reshape(b, n, -1)
         keep = self.window - 1
         return self.post(out.to(x.dtype)), keys[:, keys.shape[1] - keep :], vals[:, vals.shape[1] - keep :]
@@ -566,9 +567,7 @@ class Gemma4AudioTower(nn.Module):
     def output(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.output_proj.weight, self._out_packed, self.output_proj.bias)
 
-    def forward(
-        self, features: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, features: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, bins], mask [B, T] (True = valid) -> ([B, ceil(T/4), out], token mask [B, T/4]).
 
         Outputs at padded positions are zeros (HF leaves values there that nothing may use).

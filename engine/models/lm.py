@@ -106,9 +106,15 @@ class LMModel(nn.Module):
     def new_kv_cache(self, num_slots: int, num_pages: int, page_size: int) -> PagedKVCache:
         cfg = self.cfg
         return PagedKVCache(
-            num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim, context=cfg.context,
-            num_slots=num_slots, num_pages=num_pages, page_size=page_size,
-            dtype=self.text_emb.dtype, device=self.text_emb.device,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            context=cfg.context,
+            num_slots=num_slots,
+            num_pages=num_pages,
+            page_size=page_size,
+            dtype=self.text_emb.dtype,
+            device=self.text_emb.device,
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,17 @@ class StreamingConv1d(nn.Module):
     `pad_mode="replicate"`, used by the learnt downsample).
     """
 
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1, dilation: int = 1, groups: int = 1,
-                 bias: bool = True, replicate: bool = False) -> None:
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        kernel: int,
+        stride: int = 1,
+        dilation: int = 1,
+        groups: int = 1,
+        bias: bool = True,
+        replicate: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cout, cin // groups, kernel))
         self.bias = nn.Parameter(torch.empty(cout)) if bias else None
@@ -117,7 +126,7 @@ class StreamingConv1d(nn.Module):
                 previous = torch.where(first.view(-1, 1, 1), x[..., :1], previous)
                 ctx.put(self, "first", torch.zeros_like(first))
             x = torch.cat([previous, x], dim=-1)
-            ctx.put(self, "previous", x[..., -self.context:])
+            ctx.put(self, "previous", x[..., -self.context :])
         if self.groups != 1:
             return F.conv1d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
         # im2col + one matmul: torch's CPU conv1d takes a slow generic path for most of these shapes.
@@ -168,7 +177,7 @@ class StreamingConvTranspose1d(nn.Module):
         y = z[:, :, :, 0] if m == 1 else x.new_zeros(B, T + m - 1, cout, S)
         if m > 1:
             for j in range(m):
-                y[:, j:j + T] += z[:, :, :, j]
+                y[:, j : j + T] += z[:, :, :, j]
         y = y.permute(0, 2, 1, 3).reshape(B, cout, -1)
         return y + self.bias[:, None] if self.bias is not None else y
 
@@ -189,8 +198,14 @@ class ResidualBlock(nn.Module):
     def __init__(self, dim: int, hidden: int, kernel: int, dilation: int) -> None:
         super().__init__()
         # Indices 1 and 3 as in the reference (0 and 2 are its ELUs).
-        self.block = nn.ModuleList([nn.ELU(), StreamingConv1d(dim, hidden, kernel, dilation=dilation),
-                                    nn.ELU(), StreamingConv1d(hidden, dim, 1)])
+        self.block = nn.ModuleList(
+            [
+                nn.ELU(),
+                StreamingConv1d(dim, hidden, kernel, dilation=dilation),
+                nn.ELU(),
+                StreamingConv1d(hidden, dim, 1),
+            ]
+        )
 
     def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         h = self.block[1](F.elu(x), ctx)
@@ -213,8 +228,10 @@ class SEANetEncoder(nn.Module):
         mult = 1
         for ratio in reversed(cfg.ratios):
             dim = mult * nf
-            layers += [ResidualBlock(dim, dim // hidden, cfg.residual_kernel_size, cfg.dilation_base**j)
-                       for j in range(cfg.n_residual_layers)]
+            layers += [
+                ResidualBlock(dim, dim // hidden, cfg.residual_kernel_size, cfg.dilation_base**j)
+                for j in range(cfg.n_residual_layers)
+            ]
             layers += [nn.ELU(), StreamingConv1d(dim, 2 * dim, 2 * ratio, stride=ratio)]
             mult *= 2
         layers += [nn.ELU(), StreamingConv1d(mult * nf, cfg.dimension, cfg.last_kernel_size)]
@@ -235,8 +252,10 @@ class SEANetDecoder(nn.Module):
         for ratio in cfg.ratios:
             dim = mult * nf
             layers += [nn.ELU(), StreamingConvTranspose1d(dim, dim // 2, 2 * ratio, ratio)]
-            layers += [ResidualBlock(dim // 2, dim // 2 // hidden, cfg.residual_kernel_size, cfg.dilation_base**j)
-                       for j in range(cfg.n_residual_layers)]
+            layers += [
+                ResidualBlock(dim // 2, dim // 2 // hidden, cfg.residual_kernel_size, cfg.dilation_base**j)
+                for j in range(cfg.n_residual_layers)
+            ]
             mult //= 2
         layers += [nn.ELU(), StreamingConv1d(nf, cfg.channels, cfg.last_kernel_size)]
         self.model = nn.ModuleList(layers)
@@ -261,8 +280,16 @@ class TransformerLayer(nn.Module):
         self.layer_scale_1 = nn.Parameter(torch.full((d,), cfg.layer_scale))
         self.layer_scale_2 = nn.Parameter(torch.full((d,), cfg.layer_scale))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                rows: Rows, ring: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        rows: Rows,
+        ring: torch.Tensor,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
         """x [B, T, d]; cache [S, 2, H, L, D] is this layer's KV ring, `ring` [B, T] where new entries go."""
         B, T, d = x.shape
         qkv = matmul(self.norm1(x), self.wqkv).view(B, T, 3, self.num_heads, -1)
@@ -331,8 +358,12 @@ class Codebook(nn.Module):
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(centroids [card, dim], centroids^T [dim, card], squared norms [card])."""
-        key = (self.cluster_usage._version, self.embedding_sum._version,
-               self.embedding_sum.data_ptr(), self.cluster_usage.data_ptr())
+        key = (
+            self.cluster_usage._version,
+            self.embedding_sum._version,
+            self.embedding_sum.data_ptr(),
+            self.cluster_usage.data_ptr(),
+        )
         if self._cache is None or self._cache[0] != key:
             emb = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
             self._cache = (key, emb, emb.t().contiguous(), (emb * emb).sum(-1))
@@ -399,7 +430,7 @@ class SplitRVQ(nn.Module):
         return torch.cat([first, self.rvq_rest.encode(x, n - self.n_semantic)], dim=1)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.rvq_first.decode(codes[:, : self.n_semantic]) + self.rvq_rest.decode(codes[:, self.n_semantic:])
+        return self.rvq_first.decode(codes[:, : self.n_semantic]) + self.rvq_rest.decode(codes[:, self.n_semantic :])
 
 
 class MimiModel(nn.Module):
@@ -491,8 +522,12 @@ def reference_keys(model: MimiModel, naming: str = "module") -> list[tuple[str, 
         elif "_transformer." in name:
             half, rest = name.split(".", 1)
             key = f"{half}.transformer.{rest}"
-            proj = {"wqkv": "self_attn.in_projs.0.weight", "wo": "self_attn.out_projs.0.weight",
-                    "w1": "linear1.weight", "w2": "linear2.weight"}
+            proj = {
+                "wqkv": "self_attn.in_projs.0.weight",
+                "wo": "self_attn.out_projs.0.weight",
+                "w1": "linear1.weight",
+                "w2": "linear2.weight",
+            }
             if naming == "fused":
                 proj.update(wqkv="self_attn.in_proj_weight", wo="self_attn.out_proj.weight")
             if leaf in proj:
