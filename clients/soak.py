@@ -56,11 +56,13 @@ class Churned:
 
 @dataclass
 class SoakProgress:
+    """Live counters for the progress line: sessions open now, done, refused, broken since `start`."""
+
+    start: float  # time.monotonic() when the soak began
     open: int = 0
     completed: int = 0
     refused: int = 0
     errors: int = 0
-    elapsed: float = 0.0
 
 
 @dataclass
@@ -247,10 +249,10 @@ async def run_soak(
     sessions: list[Churned] = []
     refusals: list[float] = []
     memory: list[dict] = []
-    progress = SoakProgress()
     counters = Progress(target, 0)  # what `_Session` updates; the soak keeps its own
     index = itertools.count()
     start = time.monotonic()
+    progress = SoakProgress(start)
     end = start + config.duration
 
     async def worker(w: int) -> None:
@@ -284,7 +286,6 @@ async def run_soak(
 
     async def tick() -> None:
         while on_progress:
-            progress.elapsed = time.monotonic() - start
             on_progress(progress)
             await asyncio.sleep(0.5)
 
@@ -300,7 +301,6 @@ async def run_soak(
     memory.append(await _sample(config.base.connect, time.monotonic() - start))  # the end state
     sessions.sort(key=lambda s: s.start_s)
     if on_progress:
-        progress.elapsed = time.monotonic() - start
         on_progress(progress)
     return SoakResult(config, capacity, target, sessions, refusals, memory, date, time.monotonic() - start)
 

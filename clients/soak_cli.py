@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -67,7 +68,7 @@ def _progress(quiet: bool, duration: float):
             return
         if not bar:
             bar.append(tqdm(total=round(duration), unit="s", desc="churn", file=sys.stderr, dynamic_ncols=True))
-        bar[0].n = min(round(p.elapsed), round(duration))
+        bar[0].n = min(round(time.monotonic() - p.start), round(duration))
         bar[0].set_postfix_str(
             f"open {p.open} completed {p.completed} refused {p.refused} errors {p.errors}", refresh=False
         )
