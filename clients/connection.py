@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
@@ -203,16 +204,30 @@ def encode_stream(protocol: str, frames: Iterable[np.ndarray]) -> list[str | byt
     return list(realtime_stream(frames))
 
 
-def describe_server(options: ConnectOptions, timeout: float = 5.0) -> dict | None:
-    """The server's first `/v1/models` entry (id, demo, ...), or None when it cannot be had (best effort)."""
+def http_url(options: ConnectOptions, path: str) -> str:
+    """The server's plain-HTTP URL for `path` (`ws` becomes `http`, `wss` becomes `https`)."""
     parts = urlsplit(options.url if "://" in options.url else f"ws://{options.url}")
     scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
-    request = urllib.request.Request(urlunsplit((scheme, parts.netloc, "/v1/models", "", "")))
+    return urlunsplit((scheme, parts.netloc, path, "", ""))
+
+
+def http_get(options: ConnectOptions, path: str, timeout: float = 5.0) -> bytes:
+    """The body of a GET on the server's HTTP side, with the API key when there is one. An HTTP error status still
+    returns its body (`/ready` answers 503 with its JSON when full); `OSError` when the server cannot be reached."""
+    request = urllib.request.Request(http_url(options, path))
     if options.api_key:
         request.add_header("Authorization", f"Bearer {options.api_key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            data = json.loads(response.read().decode("utf-8")).get("data") or []
-    except (OSError, ValueError):
+            return response.read()
+    except urllib.error.HTTPError as e:
+        return e.read()
+
+
+def describe_server(options: ConnectOptions, timeout: float = 5.0) -> dict | None:
+    """The server's first `/v1/models` entry (id, demo, ...), or None when it cannot be had (best effort)."""
+    try:
+        data = json.loads(http_get(options, "/v1/models", timeout).decode("utf-8")).get("data") or []
+    except (OSError, ValueError, AttributeError):
         return None
     return data[0] if data and isinstance(data[0], dict) else None

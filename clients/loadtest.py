@@ -87,9 +87,9 @@ def input_frames(config: LoadTestConfig) -> np.ndarray:
 
 
 class _Session:
-    def __init__(self, index: int, config: LoadTestConfig, progress: Progress) -> None:
+    def __init__(self, index: int, config: LoadTestConfig, progress: Progress, frames: int | None = None) -> None:
         self.config, self.progress = config, progress
-        self.trace = SessionTrace(index, config.frames)
+        self.trace = SessionTrace(index, config.frames if frames is None else frames)
         self.conn: Connection = open_connection(config.connect)
         self.samples = 0
         self.pending = np.zeros(0, np.float32)

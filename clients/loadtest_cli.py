@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import plot
+from . import plot, soak_cli
 from .audio import InputError
 from .cli_args import add_connection_args, connect_options
 from .loadtest import LoadTestConfig, LoadTestResult, Progress, run_load_test
@@ -84,6 +84,9 @@ def _plot_path(base: str, n: int, many: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.churn:
+        return soak_cli.run(args, StatsConfig(late_threshold=args.late_ms / 1000,
+                                              jitter_buffer=args.jitter_buffer_ms / 1000), thresholds(args))
     try:
         args.plot = plot_path(args.plot)
     except plot.PlotUnavailable as e:
@@ -151,7 +154,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("loadtest", help="N concurrent real-time sessions against a server; latency report")
     p.add_argument("--sessions", type=session_counts, default=[1],
                    help="concurrent sessions, or a sweep like 1,2,4,8,16 (one run each, then a table)")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of input per session")
+    p.add_argument("--duration", type=float, default=10.0,
+                   help="seconds of input per session (with --churn: seconds the soak runs)")
     p.add_argument("--ramp", type=float, default=0.0, help="spread the connections over this many seconds")
     p.add_argument("--drain", type=float, default=1.0, help="seconds to listen after the last input frame")
     p.add_argument("--input", help="input audio (WAV or any soundfile format), looped; default: generated speech")
@@ -164,5 +168,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("checks (a failed one exits with status 1)")
     for name, flag, kind, text in CHECKS:
         c.add_argument(flag, dest=name, type=kind, help=text)
+    soak_cli.add_args(p)
     add_connection_args(p)
     p.set_defaults(func=run)
