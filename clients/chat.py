@@ -35,9 +35,16 @@ class ChatResult:
     errors: list[str] = field(default_factory=list)
 
 
-async def chat(pcm: np.ndarray, options: ConnectOptions, *, fast: bool = False, window: int = 8,
-               drain: float = 2.0, output_delay: int = 1,
-               on_text: Callable[[str], None] | None = None) -> ChatResult:
+async def chat(
+    pcm: np.ndarray,
+    options: ConnectOptions,
+    *,
+    fast: bool = False,
+    window: int = 8,
+    drain: float = 2.0,
+    output_delay: int = 1,
+    on_text: Callable[[str], None] | None = None,
+) -> ChatResult:
     """Stream `pcm` (24 kHz mono) to the server and collect its answer. Raises `ConnectionFailed`/`Refused`.
 
     The answer is complete once `sent - output_delay` frames are back (Moshi's first input frame only fills
@@ -111,8 +118,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = connect_options(args)
     mode = "as fast as the server answers" if args.fast else "at real-time pace"
-    print(f"streaming {len(pcm) / SAMPLE_RATE:.1f} s of {args.input} to {options.url} ({options.protocol}) {mode}",
-          file=sys.stderr)
+    print(
+        f"streaming {len(pcm) / SAMPLE_RATE:.1f} s of {args.input} to {options.url} ({options.protocol}) {mode}",
+        file=sys.stderr,
+    )
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
@@ -132,8 +141,11 @@ def run(args: argparse.Namespace) -> int:
     if args.text_out:
         with open(args.text_out, "w", encoding="utf-8") as f:
             f.write(result.text)
-    print(f"sent {result.frames_sent} frames, received {result.frames_received}; "
-          f"wrote {len(result.pcm) / SAMPLE_RATE:.2f} s to {args.out}", file=sys.stderr)
+    print(
+        f"sent {result.frames_sent} frames, received {result.frames_received}; "
+        f"wrote {len(result.pcm) / SAMPLE_RATE:.2f} s to {args.out}",
+        file=sys.stderr,
+    )
     for error in result.errors:
         print(f"server error: {error}", file=sys.stderr)
     return 0

@@ -101,9 +101,17 @@ class Connection(ABC):
         headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else None
         try:
             self.ws = await asyncio.wait_for(
-                connect(endpoint(self.options), additional_headers=headers, subprotocols=self.subprotocols(),
-                        max_size=None, ping_interval=None, open_timeout=None, compression=None),
-                self.options.open_timeout)
+                connect(
+                    endpoint(self.options),
+                    additional_headers=headers,
+                    subprotocols=self.subprotocols(),
+                    max_size=None,
+                    ping_interval=None,
+                    open_timeout=None,
+                    compression=None,
+                ),
+                self.options.open_timeout,
+            )
         except InvalidStatus as e:
             raise Refused(f"HTTP {e.response.status_code} on upgrade", e.response.status_code) from None
         except (OSError, InvalidHandshake, asyncio.TimeoutError) as e:

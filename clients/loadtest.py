@@ -73,9 +73,14 @@ class LoadTestResult:
     def to_dict(self) -> dict:
         cfg = asdict(self.config)
         cfg["connect"]["api_key"] = "***" if self.config.connect.api_key else None
-        return {"date": self.date, "wall_s": self.wall_s, "config": cfg, "overall": as_dict(self.overall),
-                "sessions": [as_dict(session_stats(t, self.config.stats)) for t in self.traces],
-                "timeline": timeline(self.traces, self.config.stats)}
+        return {
+            "date": self.date,
+            "wall_s": self.wall_s,
+            "config": cfg,
+            "overall": as_dict(self.overall),
+            "sessions": [as_dict(session_stats(t, self.config.stats)) for t in self.traces],
+            "timeline": timeline(self.traces, self.config.stats),
+        }
 
 
 def input_frames(config: LoadTestConfig) -> np.ndarray:
@@ -168,8 +173,9 @@ class _Session:
             self._fail("error", f"invalid audio from the server: {e}", None)
             return
         if time.monotonic() < self.listen_until and self.conn.close_code not in (None, 1000):
-            self._fail("error", f"closed by the server: {self.conn.close_code} {self.conn.close_reason}",
-                       self.conn.close_code)
+            self._fail(
+                "error", f"closed by the server: {self.conn.close_code} {self.conn.close_reason}", self.conn.close_code
+            )
 
     def _audio(self, pcm: np.ndarray, when: float) -> None:
         self.pending = np.concatenate([self.pending, pcm]) if len(self.pending) else pcm
@@ -180,8 +186,9 @@ class _Session:
             self.progress.received += 1
 
 
-async def run_load_test(config: LoadTestConfig,
-                        on_progress: Callable[[Progress], None] | None = None) -> LoadTestResult:
+async def run_load_test(
+    config: LoadTestConfig, on_progress: Callable[[Progress], None] | None = None
+) -> LoadTestResult:
     """Run one load test (one session count) and return its raw traces."""
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     wall = time.monotonic()

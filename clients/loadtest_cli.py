@@ -63,11 +63,19 @@ def _progress_line(quiet: bool):
         if bar is not None and bar.disable:
             return
         if bar is None:
-            bar = bars[id(p)] = tqdm(total=p.frames_total, unit="frame", desc=f"{p.sessions} sessions",
-                                     file=sys.stderr, leave=True, dynamic_ncols=True)
+            bar = bars[id(p)] = tqdm(
+                total=p.frames_total,
+                unit="frame",
+                desc=f"{p.sessions} sessions",
+                file=sys.stderr,
+                leave=True,
+                dynamic_ncols=True,
+            )
         bar.n = p.sent
-        bar.set_postfix_str(f"admitted {p.admitted} refused {p.refused} errors {p.errors} "
-                            f"sent {p.sent} received {p.received}", refresh=False)
+        bar.set_postfix_str(
+            f"admitted {p.admitted} refused {p.refused} errors {p.errors} sent {p.sent} received {p.received}",
+            refresh=False,
+        )
         bar.refresh()
         if p.sent >= p.frames_total or (p.started and p.admitted == 0):
             bar.close()
@@ -85,8 +93,11 @@ def _plot_path(base: str, n: int, many: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.churn:
-        return soak_cli.run(args, StatsConfig(late_threshold=args.late_ms / 1000,
-                                              jitter_buffer=args.jitter_buffer_ms / 1000), thresholds(args))
+        return soak_cli.run(
+            args,
+            StatsConfig(late_threshold=args.late_ms / 1000, jitter_buffer=args.jitter_buffer_ms / 1000),
+            thresholds(args),
+        )
     try:
         args.plot = plot_path(args.plot)
     except plot.PlotUnavailable as e:
@@ -101,8 +112,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     stats = StatsConfig(late_threshold=args.late_ms / 1000, jitter_buffer=args.jitter_buffer_ms / 1000)
-    base = LoadTestConfig(connect=connect_options(args), duration=args.duration, ramp=args.ramp, drain=args.drain,
-                          input=args.input, seed=args.seed or 0, stats=stats)
+    base = LoadTestConfig(
+        connect=connect_options(args),
+        duration=args.duration,
+        ramp=args.ramp,
+        drain=args.drain,
+        input=args.input,
+        seed=args.seed or 0,
+        stats=stats,
+    )
     limits = thresholds(args)
     results: list[LoadTestResult] = []
     progress = _progress_line(args.quiet)
@@ -115,13 +133,19 @@ def _run(args: argparse.Namespace) -> int:
         if not many:
             _print_single(result)
         if args.plot:
-            plot.plot(result.traces, _plot_path(args.plot, n, many),
-                      f"duplexd loadtest: {n} sessions, {args.protocol}, {args.duration:g} s ({result.date})", stats)
+            plot.plot(
+                result.traces,
+                _plot_path(args.plot, n, many),
+                f"duplexd loadtest: {n} sessions, {args.protocol}, {args.duration:g} s ({result.date})",
+                stats,
+            )
         if o.client_slow:
-            print(f"warning: client send lateness p99 {o.send_lateness_ms['p99']:.0f} ms > "
-                  f"{stats.lateness_warning * 1000:.0f} ms: this client "
-                  "machine could not keep the pace; the figures say more about it than about the server",
-                  file=sys.stderr)
+            print(
+                f"warning: client send lateness p99 {o.send_lateness_ms['p99']:.0f} ms > "
+                f"{stats.lateness_warning * 1000:.0f} ms: this client "
+                "machine could not keep the pace; the figures say more about it than about the server",
+                file=sys.stderr,
+            )
     overalls = [r.overall for r in results]
     if many:
         print(markdown_table(overalls))
@@ -142,9 +166,11 @@ def _run(args: argparse.Namespace) -> int:
 def _print_single(result: LoadTestResult) -> None:
     o = result.overall
     print("  ".join(f"{c}={v}" for c, v in zip(COLUMNS, row(o), strict=True)))
-    print(f"frames: expected {o.frames_expected}, sent {o.frames_sent}, received {o.frames_received}, "
-          f"missing {o.frames_missing}, late {o.late_frames}; frame latency p50 {o.frame_latency_ms['p50'] or 0:.0f} "
-          f"ms, p99 {o.frame_latency_ms['p99'] or 0:.0f} ms; text pieces {o.text_pieces}")
+    print(
+        f"frames: expected {o.frames_expected}, sent {o.frames_sent}, received {o.frames_received}, "
+        f"missing {o.frames_missing}, late {o.late_frames}; frame latency p50 {o.frame_latency_ms['p50'] or 0:.0f} "
+        f"ms, p99 {o.frame_latency_ms['p99'] or 0:.0f} ms; text pieces {o.text_pieces}"
+    )
     for s in result.traces:
         if s.status != "ok":
             print(f"session {s.index}: {s.status}: {s.error}" + (f" (close {s.close_code})" if s.close_code else ""))
@@ -152,16 +178,27 @@ def _print_single(result: LoadTestResult) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("loadtest", help="N concurrent real-time sessions against a server; latency report")
-    p.add_argument("--sessions", type=session_counts, default=[1],
-                   help="concurrent sessions, or a sweep like 1,2,4,8,16 (one run each, then a table)")
-    p.add_argument("--duration", type=float, default=10.0,
-                   help="seconds of input per session (with --churn: seconds the soak runs)")
+    p.add_argument(
+        "--sessions",
+        type=session_counts,
+        default=[1],
+        help="concurrent sessions, or a sweep like 1,2,4,8,16 (one run each, then a table)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=10.0,
+        help="seconds of input per session (with --churn: seconds the soak runs)",
+    )
     p.add_argument("--ramp", type=float, default=0.0, help="spread the connections over this many seconds")
     p.add_argument("--drain", type=float, default=1.0, help="seconds to listen after the last input frame")
     p.add_argument("--input", help="input audio (WAV or any soundfile format), looped; default: generated speech")
     p.add_argument("--json", default="loadtest.json", help="report file (default: %(default)s; '' for none)")
-    p.add_argument("--plot", help=f"PNG plot (default: {DEFAULT_PLOT} when matplotlib, the {plot.EXTRA} extra, is "
-                   "installed; a sweep writes NAME-N.png; '' for none)")
+    p.add_argument(
+        "--plot",
+        help=f"PNG plot (default: {DEFAULT_PLOT} when matplotlib, the {plot.EXTRA} extra, is "
+        "installed; a sweep writes NAME-N.png; '' for none)",
+    )
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--late-ms", type=float, default=80.0, help="a frame this far behind its deadline is late")
     p.add_argument("--jitter-buffer-ms", type=float, default=100.0, help="simulated player buffer (underruns)")

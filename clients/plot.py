@@ -43,8 +43,9 @@ def plot(traces: list[SessionTrace], path: str | Path, title: str, cfg: StatsCon
     import matplotlib.pyplot as plt
 
     gaps = np.concatenate([np.diff(t.received) for t in traces if len(t.received) > 1] or [np.zeros(0)]) * 1000
-    latency = np.concatenate([np.subtract(*answered(t.sent, t.received, cfg)[::-1]) for t in traces]
-                             or [np.zeros(0)]) * 1000
+    latency = (
+        np.concatenate([np.subtract(*answered(t.sent, t.received, cfg)[::-1]) for t in traces] or [np.zeros(0)]) * 1000
+    )
     ttfa = np.array([t.received[0] * 1000 for t in traces if t.received])
     series = timeline(traces, cfg)
 

@@ -52,23 +52,54 @@ def failures(o: Overall, t: Thresholds) -> list[str]:
 
 def meets_target(o: Overall) -> bool:
     ttfa = o.ttfa_ms["p99"]
-    return (o.refused == 0 and o.errors == 0 and o.late_frac < TARGET_LATE_FRAC and ttfa is not None
-            and ttfa < TARGET_TTFA_P99_MS)
+    return (
+        o.refused == 0
+        and o.errors == 0
+        and o.late_frac < TARGET_LATE_FRAC
+        and ttfa is not None
+        and ttfa < TARGET_TTFA_P99_MS
+    )
 
 
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
 
-COLUMNS = ["sessions", "ok", "refused", "errors", "TTFA p50", "TTFA p99", "gap p50", "gap p99", "gap max",
-           "late+missing %", "underruns", "deficit", "send late p99", "target"]
+COLUMNS = [
+    "sessions",
+    "ok",
+    "refused",
+    "errors",
+    "TTFA p50",
+    "TTFA p99",
+    "gap p50",
+    "gap p99",
+    "gap max",
+    "late+missing %",
+    "underruns",
+    "deficit",
+    "send late p99",
+    "target",
+]
 
 
 def row(o: Overall) -> list[str]:
-    return [str(o.sessions), str(o.ok), str(o.refused), str(o.errors), _ms(o.ttfa_ms["p50"]), _ms(o.ttfa_ms["p99"]),
-            _ms(o.inter_arrival_ms["p50"]), _ms(o.inter_arrival_ms["p99"]), _ms(o.inter_arrival_ms["max"]),
-            f"{100 * o.late_frac:.2f}", str(o.underruns), str(o.frame_deficit), _ms(o.send_lateness_ms["p99"]),
-            "yes" if meets_target(o) else "no"]
+    return [
+        str(o.sessions),
+        str(o.ok),
+        str(o.refused),
+        str(o.errors),
+        _ms(o.ttfa_ms["p50"]),
+        _ms(o.ttfa_ms["p99"]),
+        _ms(o.inter_arrival_ms["p50"]),
+        _ms(o.inter_arrival_ms["p99"]),
+        _ms(o.inter_arrival_ms["max"]),
+        f"{100 * o.late_frac:.2f}",
+        str(o.underruns),
+        str(o.frame_deficit),
+        _ms(o.send_lateness_ms["p99"]),
+        "yes" if meets_target(o) else "no",
+    ]
 
 
 def markdown_table(results: list[Overall]) -> str:

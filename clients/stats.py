@@ -63,8 +63,12 @@ def percentile(values: list[float] | np.ndarray, q: float) -> float | None:
 def summary_ms(values: list[float] | np.ndarray) -> dict[str, float | None]:
     """p50 / p99 / max (and count) of durations given in seconds, in milliseconds."""
     arr = np.asarray(values, dtype=np.float64) * 1000
-    return {"count": int(arr.size), "p50": percentile(arr, 50), "p99": percentile(arr, 99),
-            "max": float(arr.max()) if arr.size else None}
+    return {
+        "count": int(arr.size),
+        "p50": percentile(arr, 50),
+        "p99": percentile(arr, 99),
+        "max": float(arr.max()) if arr.size else None,
+    }
 
 
 def answered(sent: list[float], received: list[float], cfg: StatsConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -132,16 +136,25 @@ def session_stats(trace: SessionTrace, cfg: StatsConfig = DEFAULT_STATS) -> Sess
     stalls, stalled = underruns(received, cfg)
     inputs, arrivals = answered(sent, received, cfg)
     return SessionStats(
-        index=trace.index, status=trace.status, error=trace.error, close_code=trace.close_code,
-        frames_expected=trace.frames_expected, frames_sent=len(sent), frames_received=len(received),
+        index=trace.index,
+        status=trace.status,
+        error=trace.error,
+        close_code=trace.close_code,
+        frames_expected=trace.frames_expected,
+        frames_sent=len(sent),
+        frames_received=len(received),
         frame_deficit=len(sent) - len(received),
         frames_missing=max(trace.frames_expected - cfg.output_delay_frames - len(received), 0),
-        late_frames=late, voiced_frames=trace.voiced, underruns=stalls, underrun_s=stalled,
+        late_frames=late,
+        voiced_frames=trace.voiced,
+        underruns=stalls,
+        underrun_s=stalled,
         ttfa_ms=received[0] * 1000 if received else None,
         connect_ms=trace.connect_s * 1000 if trace.connect_s is not None else None,
         inter_arrival_ms=summary_ms(np.diff(received)) if len(received) > 1 else summary_ms([]),
         frame_latency_ms=summary_ms(arrivals - inputs),
-        send_lateness_ms=summary_ms(trace.send_lateness), text_pieces=trace.text_pieces,
+        send_lateness_ms=summary_ms(trace.send_lateness),
+        text_pieces=trace.text_pieces,
     )
 
 
@@ -175,19 +188,27 @@ def overall(traces: list[SessionTrace], cfg: StatsConfig = DEFAULT_STATS) -> Ove
     late = sum(s.late_frames for s in stats)
     missing = sum(s.frames_missing for s in stats)
     gaps = np.concatenate([np.diff(t.received) for t in traces if len(t.received) > 1] or [np.zeros(0)])
-    latency = np.concatenate([np.subtract(*answered(t.sent, t.received, cfg)[::-1]) for t in traces]
-                             or [np.zeros(0)])
+    latency = np.concatenate([np.subtract(*answered(t.sent, t.received, cfg)[::-1]) for t in traces] or [np.zeros(0)])
     lateness = np.concatenate([np.asarray(t.send_lateness, dtype=np.float64) for t in traces] or [np.zeros(0)])
     send_summary = summary_ms(lateness)
     return Overall(
-        sessions=len(stats), ok=sum(s.status == "ok" for s in stats),
-        refused=sum(s.status == "refused" for s in stats), errors=sum(s.status == "error" for s in stats),
-        frames_expected=expected, frames_sent=sum(s.frames_sent for s in stats),
-        frames_received=sum(s.frames_received for s in stats), frame_deficit=sum(s.frame_deficit for s in stats),
-        frames_missing=missing, late_frames=late, late_frac=(late + missing) / expected_out if expected_out else 0.0,
-        underruns=sum(s.underruns for s in stats), underrun_s=sum(s.underrun_s for s in stats),
+        sessions=len(stats),
+        ok=sum(s.status == "ok" for s in stats),
+        refused=sum(s.status == "refused" for s in stats),
+        errors=sum(s.status == "error" for s in stats),
+        frames_expected=expected,
+        frames_sent=sum(s.frames_sent for s in stats),
+        frames_received=sum(s.frames_received for s in stats),
+        frame_deficit=sum(s.frame_deficit for s in stats),
+        frames_missing=missing,
+        late_frames=late,
+        late_frac=(late + missing) / expected_out if expected_out else 0.0,
+        underruns=sum(s.underruns for s in stats),
+        underrun_s=sum(s.underrun_s for s in stats),
         ttfa_ms=summary_ms([s.ttfa_ms / 1000 for s in stats if s.ttfa_ms is not None]),
-        inter_arrival_ms=summary_ms(gaps), frame_latency_ms=summary_ms(latency), send_lateness_ms=send_summary,
+        inter_arrival_ms=summary_ms(gaps),
+        frame_latency_ms=summary_ms(latency),
+        send_lateness_ms=send_summary,
         client_slow=(send_summary["p99"] or 0.0) > cfg.lateness_warning * 1000,
         text_pieces=sum(s.text_pieces for s in stats),
     )
