@@ -112,10 +112,10 @@ def served_metrics() -> set[str]:
     """Every series name server/metrics.py exports (counters with _total, histograms with their suffixes)."""
     source = (ROOT / "server" / "metrics.py").read_text()
     names = set(re.findall(r'"(duplexd_\w+)"', source))
-    counters = set(re.findall(r'Counter\("(duplexd_\w+)"', source)) | set(
+    counters = set(re.findall(r'Counter\(\s*"(duplexd_\w+)"', source)) | set(
         re.findall(r'"(duplexd_(?:engine_steps|frames_in|frames_out))"', source)
     )
-    histograms = set(re.findall(r'Histogram\("(duplexd_\w+)"', source))
+    histograms = set(re.findall(r'Histogram\(\s*"(duplexd_\w+)"', source))
     return (
         names | {f"{n}_total" for n in counters} | {f"{n}_{s}" for n in histograms for s in ("bucket", "sum", "count")}
     )
