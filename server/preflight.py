@@ -14,8 +14,9 @@ from pathlib import Path
 
 from duplexd.engine.devices import check_devices
 from duplexd.engine.errors import InputRefused
-from duplexd.engine.model_files import check_model_files, model_files
+from duplexd.engine.model_files import check_model_files
 
+from .runtime import resolve_files
 from .settings import ServerSettings, SettingsError
 
 
@@ -87,16 +88,7 @@ def preflight(settings: ServerSettings) -> socket.socket:
     sock = bind(settings)
     try:
         if settings.random_weights is None:
-            check_model_files(
-                model_files(
-                    moshi_weight=settings.moshi_weight,
-                    mimi_weight=settings.mimi_weight,
-                    tokenizer=settings.tokenizer,
-                    config=settings.config,
-                    hf_repo=settings.hf_repo,
-                    mimi_preset=settings.mimi_preset,
-                )
-            )
+            check_model_files(resolve_files(settings))
     except BaseException as e:
         sock.close()
         if isinstance(e, InputRefused):
