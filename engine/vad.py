@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,7 +97,9 @@ def load_silero() -> torch.jit.ScriptModule:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError("silero-vad is not installed: pip install silero-vad")
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "silero_vad.jit"
-    model = torch.jit.load(str(path), map_location="cpu")
+    with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript loading; Silero ships only this format
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = torch.jit.load(str(path), map_location="cpu")
     model.eval()
     return model
 
