@@ -99,7 +99,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     result: dict[str, object] = {"bench": "vad", "seconds": args.seconds, "threads": args.threads}
     model = load_silero()
-    print(f"{'sessions':>8} {'duplexd ms/s':>13} {'reference ms/s':>15} {'ratio':>7} {'duplexd wall×rt':>16}")
+    print(f"{'sessions':>8} {'duplexd ms/s':>13} {'reference ms/s':>15} {'ratio':>7} {'duplexd wall/audio':>16}")
     for sessions in args.sessions:
         frames = np.stack([split_frames(_audio(s, args.seconds)) for s in range(sessions)])
         session_s = sessions * frames.shape[1] * FRAME_SIZE / SAMPLE_RATE

@@ -181,9 +181,9 @@ class _Decider:
             if self.silence is not None and end - self.silence >= self.hangover:
                 events.append(self._stop(slot, self.silence, cut=False))
             elif end + WINDOW - self.audio_start > self.max_len:  # the next window would not fit
-                speaking = self.silence is None
-                events.append(self._stop(slot, end if speaking else self.silence, cut=True))
-                if speaking:  # still speaking: the next utterance starts here, with no pre-roll
+                silence = self.silence
+                events.append(self._stop(slot, end if silence is None else silence, cut=True))
+                if silence is None:  # still speaking: the next utterance starts here, with no pre-roll
                     events.append(self._start(slot, end))
         if self.onset is None:
             keep = (self.candidate if self.candidate is not None else end) - self.preroll
