@@ -7,7 +7,7 @@ Silero's JIT model keeps an LSTM state `[2, batch, 128]` and a 64-sample context
 state is two small tensors, gathered and scattered by index.
 
 Decisions (shared by the streaming segmenter and the offline `segments`): a start needs the probability at or
-above `threshold` for `min_speech_s` (it dips below `neg_threshold` cancel it); a stop needs `hangover_s` of
+above `threshold` for `min_speech_s` (a dip below `neg_threshold` cancels it); a stop needs `hangover_s` of
 probability below `neg_threshold` (hysteresis: between the two thresholds nothing changes). Event times are the
 detected onset and offset; the utterance's 16 kHz audio also keeps `preroll_s` before the onset, so the first
 phoneme is not cut. An utterance longer than `max_utterance_s` is cut there (a stop with `cut=True`, then a new
