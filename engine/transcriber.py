@@ -116,12 +116,16 @@ class Transcriber:
         config = transformers.AutoConfig.from_pretrained(path)
         config.audio_config = None
         config.vision_config = None
-        verbosity = transformers.logging.get_verbosity()
-        transformers.logging.set_verbosity_error()  # else it lists every tower tensor it skips
+        hf_log = transformers.utils.logging
+        verbosity, bar = hf_log.get_verbosity(), hf_log.is_progress_bar_enabled()
+        hf_log.set_verbosity_error()  # else it lists every tower tensor it skips
+        hf_log.disable_progress_bar()
         try:
             decoder = transformers.Gemma4ForConditionalGeneration.from_pretrained(path, config=config, dtype=dtype)
         finally:
-            transformers.logging.set_verbosity(verbosity)
+            hf_log.set_verbosity(verbosity)
+            if bar:
+                hf_log.enable_progress_bar()
         decoder.to(device).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         return cls(encoder, decoder, tokenizer, **kw)
