@@ -89,7 +89,7 @@ def tiny_config(tokenizer: Any) -> Any:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        global_head_dim=32,
+        global_head_dim=32,  # type: ignore[call-arg]  # read by __post_init__, not a declared field
         hidden_size_per_layer_input=8,
         layer_types=["sliding_attention", "full_attention"],
         pad_token_id=tokenizer.pad_token_id,
