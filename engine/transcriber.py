@@ -66,6 +66,7 @@ class _Stream:
     samples: int = 0  # accepted so far (at most MAX_SAMPLES)
     soft: list[torch.Tensor] = field(default_factory=list)
     truncated: bool = False
+    finished: bool = False  # the last step was padded: the tower state cannot continue
 
 
 class Transcriber:
@@ -146,6 +147,8 @@ class Transcriber:
     def feed(self, slot: int, pcm: np.ndarray | torch.Tensor) -> int:
         """Append 16 kHz mono samples; encode every whole step the audio has gone past. Returns soft tokens so far."""
         st = self.streams[slot]
+        if st.finished:
+            raise RuntimeError(f"slot {slot}: the utterance is finished; open a new stream")
         chunk = np.asarray(pcm.cpu() if isinstance(pcm, torch.Tensor) else pcm, dtype=np.float32).reshape(-1)
         room = MAX_SAMPLES - st.samples
         if chunk.size > room:
@@ -181,7 +184,7 @@ class Transcriber:
             st.soft.append(out.soft_tokens[0, : -(-frames // 4)])
             st.pending = st.pending[:0]
         soft = torch.cat(st.soft) if st.soft else self._empty_soft()
-        st.soft = [soft]
+        st.soft, st.finished = [soft], True
         assert soft.shape[0] == num_audio_tokens(st.samples), (soft.shape, st.samples)
         return soft
 

@@ -191,3 +191,24 @@ def test_cli_errors(folder, tmp_path, capsys):
     assert err.startswith("duplexd transcribe: error: --model ") and "\n" not in err
     assert cli.main(["transcribe", str(path), "--model", str(tmp_path / "nowhere")]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_past_30_s_is_dropped_as_the_reference_does(tr):
+    slot = tr.open_stream()
+    wave = utterance(31 * 16_000, 3)
+    for start in range(0, len(wave), 16_000):
+        tr.feed(slot, wave[start : start + 16_000])
+    assert tr._flush(slot).shape[0] == num_audio_tokens(len(wave)) == 750
+    with pytest.raises(RuntimeError, match="finished"):
+        tr.feed(slot, wave[:1280])
+    tr.close(slot)
+
+
+def test_demo_is_written_once(tmp_path, monkeypatch):
+    from duplexd.engine import gemma4_demo
+
+    first = gemma4_demo.ensure_gemma4_demo(tmp_path)
+    assert (first / "model.safetensors").is_file() and (first / "tokenizer.json").is_file()
+    monkeypatch.setattr(gemma4_demo, "write_demo", lambda *a, **k: pytest.fail("written twice"))
+    assert gemma4_demo.ensure_gemma4_demo(tmp_path) == first
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary folder left behind
