@@ -225,15 +225,16 @@ class Transcriber:
         is_audio = ids == self.audio_token_id
         text_ids = ids.masked_fill(is_audio, self.pad_token_id)
         embeds = self.decoder.get_input_embeddings()(text_ids)
-        soft = torch.cat(softs).to(embeds.dtype)
+        soft = torch.cat(softs).to(embeds.device, embeds.dtype)
         if int(is_audio.sum()) != soft.shape[0]:
             raise AssertionError(f"{int(is_audio.sum())} audio tokens for {soft.shape[0]} soft tokens")
         embeds = embeds.masked_scatter(is_audio[..., None], soft)
-        per_layer = self.decoder.model.language_model.get_per_layer_inputs(text_ids, None)
+        lm = self.decoder.model.language_model
+        per_layer = lm.get_per_layer_inputs(text_ids, None) if lm.config.hidden_size_per_layer_input else None
         tokens = self._greedy(embeds, per_layer, mask)
         return [self._strip(row) for row in tokens.tolist()]
 
-    def _greedy(self, embeds: torch.Tensor, per_layer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _greedy(self, embeds: torch.Tensor, per_layer: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
         """Greedy decoding through the decoder's own forward, positions counted from each row's first real token
         (as `generate` does for left padding). Rows that ended keep decoding pads until all have; [B, <= max]."""
         batch = embeds.shape[0]
