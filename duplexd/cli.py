@@ -10,7 +10,7 @@ import typing
 
 import torch
 
-from duplexd import infer
+from duplexd import infer, transcribe
 from duplexd.clients import chat
 from duplexd.clients import loadtest_cli as loadtest
 from duplexd.engine.checkpoint import load_lm
@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     infer.add_parser(sub)
+    transcribe.add_parser(sub)
     serve.add_parser(sub)
     chat.add_parser(sub)
     loadtest.add_parser(sub)

@@ -335,11 +335,25 @@ class SubsampleConvProjection(nn.Module):
             mask = mask[:, ::2]
         return self.project(y), mask
 
-    def step(self, mel: torch.Tensor, prev_mel: torch.Tensor, prev_row: torch.Tensor):
+    def step(
+        self,
+        mel: torch.Tensor,
+        prev_mel: torch.Tensor,
+        prev_row: torch.Tensor,
+        valid_frames: torch.Tensor | None = None,
+    ):
         """Stream: mel [B, 4n, bins] with the previous mel frame [B, bins] and previous layer0 row
-        [B, F0, C0] -> (tokens [B, n, hidden], new prev_mel, new prev_row)."""
+        [B, F0, C0] -> (tokens [B, n, hidden], new prev_mel, new prev_row).
+
+        `valid_frames` [B] (last step of a stream only) zeroes frames from that index on and the layer0 rows they
+        start, as the whole-file forward does with its frame mask, so the final tokens match it too."""
+        if valid_frames is not None:
+            frame_ok = torch.arange(mel.shape[1], device=mel.device)[None, :] < valid_frames[:, None]
+            mel = mel * frame_ok[..., None]
         x = torch.cat([prev_mel[:, None], mel], dim=1)[:, None]
         y0 = self.layer0(x, 0)  # [B, 2n, F0, C0]
+        if valid_frames is not None:
+            y0 = y0 * frame_ok[:, ::2, None, None]
         y1 = self.layer1(torch.cat([prev_row[:, None], y0], dim=1).permute(0, 3, 1, 2), 0)
         return self.project(y1), mel[:, -1], y0[:, -1]
 
@@ -725,12 +739,18 @@ class Gemma4AudioEncoder(nn.Module):
 
     @torch.inference_mode()
     def encode_step(
-        self, state: Gemma4AudioStreamState, slots: torch.Tensor | Sequence[int], pcm: torch.Tensor
+        self,
+        state: Gemma4AudioStreamState,
+        slots: torch.Tensor | Sequence[int],
+        pcm: torch.Tensor,
+        valid_frames: torch.Tensor | Sequence[int] | None = None,
     ) -> EncodeOutput:
         """Advance `slots` by one chunk each: pcm [B, n] at 16 kHz, n a multiple of 640 (80 ms = 1280 -> 2 tokens).
 
         Exact with respect to the whole-file `encode` of the concatenated audio, except for the last token(s) of
-        a file, where the reference pads (see docs). Slots not listed do not move.
+        a file, where the reference pads (see docs). Slots not listed do not move. For a stream's last chunk,
+        `valid_frames` [B] (mel frames of the chunk the reference counts as valid) reproduces that padding: the
+        chunk's tokens up to ceil(valid_frames / 4) then equal the reference's; the state is not reusable after.
         """
         self._ensure_prepared()
         if pcm.dim() != 2 or pcm.shape[1] % self.samples_per_token or pcm.shape[1] == 0:
@@ -744,8 +764,9 @@ class Gemma4AudioEncoder(nn.Module):
         tower = self.audio_tower
         mel, tail = self.front_end.stream(state.mel_tail[idx], pcm.to(self.device))
         state.mel_tail[idx] = tail
+        valid = None if valid_frames is None else torch.as_tensor(valid_frames, device=self.device)
         x, prev_mel, prev_row = tower.subsample_conv_projection.step(
-            mel.to(dtype), state.prev_mel[idx], state.prev_row[idx]
+            mel.to(dtype), state.prev_mel[idx], state.prev_row[idx], valid
         )
         state.prev_mel[idx], state.prev_row[idx] = prev_mel, prev_row
         w = self.config.window
