@@ -146,6 +146,32 @@ class Transcriber:
 
     def feed(self, slot: int, pcm: np.ndarray | torch.Tensor) -> int:
         """Append 16 kHz mono samples; encode every whole step the audio has gone past. Returns soft tokens so far."""
+        return self.feed_many([(slot, pcm)])[0]
+
+    def feed_many(self, chunks: Sequence[tuple[int, np.ndarray | torch.Tensor]]) -> list[int]:
+        """`feed` for several slots at once: the slots with the same number of whole steps ready share one tower
+        call (live sessions each bring 80 ms, so one call per round). Returns each slot's soft tokens so far."""
+        slots = [slot for slot, _ in chunks]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in one feed: {slots}")
+        groups: dict[int, list[int]] = {}
+        for slot, pcm in chunks:
+            steps = self._append(slot, pcm)
+            if steps:
+                groups.setdefault(steps, []).append(slot)
+        for steps, group in groups.items():
+            n = steps * STEP_SAMPLES
+            pcm_t = torch.from_numpy(np.stack([self.streams[s].pending[:n] for s in group])).to(self.encoder.device)
+            out = self.encoder.encode_step(self.state, group, pcm_t)
+            assert out.soft_tokens is not None
+            for i, s in enumerate(group):
+                st = self.streams[s]
+                st.soft.append(out.soft_tokens[i])
+                st.pending = st.pending[n:]
+        return [sum(int(t.shape[0]) for t in self.streams[s].soft) for s in slots]
+
+    def _append(self, slot: int, pcm: np.ndarray | torch.Tensor) -> int:
+        """Queue samples on `slot` (up to 30 s in all); how many whole steps are ready to encode."""
         st = self.streams[slot]
         if st.finished:
             raise RuntimeError(f"slot {slot}: the utterance is finished; open a new stream")
@@ -157,20 +183,13 @@ class Transcriber:
             st.truncated = True
             chunk = chunk[:room]
         st.samples += chunk.size
-        st.pending = np.concatenate([st.pending, chunk])
+        st.pending = np.concatenate([st.pending, chunk]) if st.pending.size else chunk
         # Strictly more than a step: the step's last frame is valid only if a sample follows it.
-        steps = (st.pending.size - 1) // STEP_SAMPLES
-        if steps > 0:
-            n = steps * STEP_SAMPLES
-            pcm_t = torch.from_numpy(st.pending[:n].copy()).to(self.encoder.device)[None]
-            out = self.encoder.encode_step(self.state, [slot], pcm_t)
-            assert out.soft_tokens is not None
-            st.soft.append(out.soft_tokens[0])
-            st.pending = st.pending[n:]
-        return sum(int(s.shape[0]) for s in st.soft)
+        return (st.pending.size - 1) // STEP_SAMPLES
 
-    def _flush(self, slot: int) -> torch.Tensor:
-        """Encode the held-back tail as the reference pads it; all soft tokens of the utterance [n, hidden]."""
+    def flush(self, slot: int) -> torch.Tensor:
+        """End the utterance: encode the held-back tail as the reference pads it; all its soft tokens [n, hidden].
+        The slot can be closed at once: decoding needs only these."""
         st = self.streams[slot]
         tail = st.pending.size
         if tail:
@@ -210,8 +229,12 @@ class Transcriber:
     @torch.inference_mode()
     def finish_many(self, slots: Sequence[int], prompt: str = DEFAULT_PROMPT) -> list[list[int]]:
         """Transcript token ids of several utterances, decoded as one left-padded batch."""
-        softs = [self._flush(s) for s in slots]
-        rows = [self.prompt_ids(int(s.shape[0]), prompt) for s in softs]
+        return self.decode([self.flush(s) for s in slots], [prompt] * len(slots))
+
+    @torch.inference_mode()
+    def decode(self, softs: Sequence[torch.Tensor], prompts: Sequence[str]) -> list[list[int]]:
+        """Transcript token ids of utterances given by their soft tokens (from `flush`), one left-padded batch."""
+        rows = [self.prompt_ids(int(s.shape[0]), p) for s, p in zip(softs, prompts, strict=True)]
         width = max(len(r) for r in rows)
         dev = self.decoder.device
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)

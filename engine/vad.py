@@ -131,6 +131,26 @@ class _Decider:
         self.chunks = [buf]
         return buf[start - self.buf_start : end - self.buf_start].copy()
 
+    def _slice(self, start: int, end: int) -> np.ndarray:
+        """Audio [start, end) from the newest chunks backwards, without joining the whole buffer."""
+        parts, at = [], self.buf_start + self.buf_len
+        for chunk in reversed(self.chunks):
+            first = at - len(chunk)
+            if first < end and at > start:
+                parts.append(chunk[max(start - first, 0) : min(end - first, len(chunk))])
+            if first <= start:
+                break
+            at = first
+        return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.float32)
+
+    def committed(self, since: int) -> np.ndarray:
+        """The running utterance's 16 kHz audio from offset `since` (from its `audio_start`) up to where it is
+        sure to belong to it: the start of the current silence, else all heard so far."""
+        if self.onset is None:
+            return np.zeros(0, np.float32)
+        end = self.silence if self.silence is not None else self.pos
+        return self._slice(self.audio_start + since, end)
+
     def _trim(self, keep_from: int) -> None:
         """Drop audio before `keep_from`: only the pre-roll is kept while idle."""
         drop = keep_from - self.buf_start
@@ -233,6 +253,12 @@ class VadSegmenter:
             events += self.deciders[slot].finish(slot)
         self.resamplers[slot] = None
         return events
+
+    def committed(self, slot: int, since: int) -> np.ndarray:
+        """The 16 kHz audio of `slot`'s running utterance from offset `since` that is sure to be part of it (speech
+        so far, less a trailing silence that may end it): a transcriber can encode it while the user speaks. At
+        the stop, `SpeechStopped.audio[since:]` is the rest. Empty when no utterance is running."""
+        return self.deciders[slot].committed(since)
 
     def step(self, slots: list[int], frames: np.ndarray) -> list[VadEvent]:
         """Feed `frames[i]` (float32, `[len(slots), 1920]` at 24 kHz) to `slots[i]`; return the events, in order

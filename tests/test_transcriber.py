@@ -12,34 +12,21 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
-    AutoTokenizer,
-    Gemma4AudioFeatureExtractor,
-    Gemma4ForConditionalGeneration,
-    Gemma4ImageProcessorPil,
-    Gemma4Processor,
-)
 
 from duplexd import cli  # noqa: E402
 from duplexd.clients.audio import speech_like, write_wav  # noqa: E402
 from duplexd.engine.gemma4_demo import write_demo  # noqa: E402
 from duplexd.engine.transcriber import (  # noqa: E402
-    DEFAULT_PROMPT,
     STEP_SAMPLES,
     Transcriber,
     num_audio_tokens,
 )
 
+from .gemma4_ref import generate, hf_inputs, load_reference  # noqa: E402
+
 MAX_NEW = 16
 # Odd lengths: a partial last step with 0-7 valid frames, an exact multiple of the step, one sample past it.
 LENGTHS = [9_999, 17_337, 15_360, 15_361, 26_111]
-
-
-class AudioProcessor(Gemma4Processor):
-    """The real processor without a video processor (that one needs torchvision, which audio never uses)."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
 
 
 def utterance(n: int, seed: int) -> np.ndarray:
@@ -53,28 +40,12 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(folder):
-    tok = AutoTokenizer.from_pretrained(folder)
-    proc = AudioProcessor(
-        feature_extractor=Gemma4AudioFeatureExtractor(),
-        image_processor=Gemma4ImageProcessorPil(),
-        tokenizer=tok,
-        video_processor=None,
-        chat_template=tok.chat_template,
-    )
-    model = Gemma4ForConditionalGeneration.from_pretrained(folder).eval()
-    return proc, model
+    return load_reference(folder)
 
 
 @pytest.fixture(scope="module")
 def tr(folder):
     return Transcriber.from_pretrained(folder, max_slots=4, max_new_tokens=MAX_NEW)
-
-
-def hf_inputs(proc, wave: np.ndarray, prompt: str = DEFAULT_PROMPT):
-    messages = [{"role": "user", "content": [{"type": "audio", "audio": wave}, {"type": "text", "text": prompt}]}]
-    return proc.apply_chat_template(
-        messages, tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt"
-    )
 
 
 _refs: dict[tuple[int, int], list[int]] = {}
@@ -83,14 +54,7 @@ _refs: dict[tuple[int, int], list[int]] = {}
 def hf_tokens(hf, n: int, seed: int) -> list[int]:
     """The reference transcript (new tokens up to, not including, end of turn); memoised across tests."""
     if (n, seed) not in _refs:
-        proc, model = hf
-        inp = hf_inputs(proc, utterance(n, seed))
-        with torch.no_grad():
-            out = model.generate(**inp, do_sample=False, max_new_tokens=MAX_NEW)
-        new = out[0, inp["input_ids"].shape[1] :].tolist()
-        eos = model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos])
-        _refs[(n, seed)] = new[: next((i for i, t in enumerate(new) if t in eos), len(new))]
+        _refs[(n, seed)] = generate(hf, utterance(n, seed), MAX_NEW)
     return _refs[(n, seed)]
 
 
@@ -116,7 +80,7 @@ def test_soft_tokens_match_reference_to_the_last(hf, tr):
         slot = tr.open_stream()
         for start in range(0, n, 1000):  # chunks that do not line up with steps
             tr.feed(slot, wave[start : start + 1000])
-        soft = tr._flush(slot)
+        soft = tr.flush(slot)
         tr.close(slot)
         assert soft.shape == ref_soft.shape
         err = float((soft - ref_soft).abs().max() / ref_soft.abs().max())
@@ -198,7 +162,7 @@ def test_past_30_s_is_dropped_as_the_reference_does(tr):
     wave = utterance(31 * 16_000, 3)
     for start in range(0, len(wave), 16_000):
         tr.feed(slot, wave[start : start + 16_000])
-    assert tr._flush(slot).shape[0] == num_audio_tokens(len(wave)) == 750
+    assert tr.flush(slot).shape[0] == num_audio_tokens(len(wave)) == 750
     with pytest.raises(RuntimeError, match="finished"):
         tr.feed(slot, wave[:1280])
     tr.close(slot)

@@ -6,13 +6,8 @@ nothing is downloaded: espeak-ng is a Debian package (.ci/run installs it), Sile
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
-import soundfile as sf
 import soxr
 
 from duplexd.engine.vad import (
@@ -27,52 +22,19 @@ from duplexd.engine.vad import (
 )
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE, split_frames
 
-pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs Debian's espeak-ng (see .ci/run)")
+from .speech import NOISE, TOLERANCE, compose, needs_espeak, speak_all
 
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Please call me back tomorrow morning.",
-    "Seven bright kites were flying above the river.",
-]
-TOLERANCE = 0.15  # s: Silero decides per 32 ms window, and its recurrent state lags the audio a little
-NOISE = 0.003  # RMS of the background noise (about -50 dBFS)
-
-
-def _speak(text: str, tmp: Path) -> np.ndarray:
-    """One sentence at 24 kHz, trimmed to where it is audible: its length is the known utterance."""
-    path = tmp / "s.wav"
-    subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
-    pcm, rate = sf.read(path, dtype="float32")
-    pcm = soxr.resample(pcm, rate, SAMPLE_RATE).astype(np.float32)
-    loud = np.nonzero(np.abs(pcm) > 0.01)[0]
-    return pcm[loud[0] : loud[-1] + 1]
+pytestmark = needs_espeak
 
 
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory) -> list[np.ndarray]:
-    tmp = tmp_path_factory.mktemp("espeak")
-    return [_speak(text, tmp) for text in SENTENCES]
+    return speak_all(tmp_path_factory.mktemp("espeak"))
 
 
 @pytest.fixture(scope="module")
 def model():
     return load_silero()
-
-
-def _compose(parts: list[np.ndarray | float], seed: int) -> tuple[np.ndarray, list[tuple[float, float]]]:
-    """Clips and silences (floats, in seconds) end to end, plus noise; and the clips' (start_s, end_s)."""
-    pieces, truth, at = [], [], 0
-    for part in parts:
-        if isinstance(part, float):
-            piece = np.zeros(round(part * SAMPLE_RATE), np.float32)
-        else:
-            piece = part
-            truth.append((at / SAMPLE_RATE, (at + len(piece)) / SAMPLE_RATE))
-        pieces.append(piece)
-        at += len(piece)
-    pcm = np.concatenate(pieces)
-    pcm += np.random.default_rng(seed).normal(0, NOISE, len(pcm)).astype(np.float32)
-    return pcm, truth
 
 
 def _stream(seg: VadSegmenter, sessions: dict[int, np.ndarray]) -> dict[int, list[tuple[VadEvent, int]]]:
@@ -102,7 +64,7 @@ def _assert_near(found: list[tuple[float, float]], truth: list[tuple[float, floa
 
 
 def test_streaming_finds_the_utterances(clips, model):
-    pcm, truth = _compose([0.6, clips[0], 1.5, clips[1], 1.2, clips[2], 0.8], seed=1)
+    pcm, truth = compose([0.6, clips[0], 1.5, clips[1], 1.2, clips[2], 0.8], seed=1)
     events = _stream(VadSegmenter(1, model=model), {0: pcm})[0]
     kinds = [type(e) for e, _ in events]
     assert kinds == [SpeechStarted, SpeechStopped] * 3
@@ -111,7 +73,7 @@ def test_streaming_finds_the_utterances(clips, model):
 
 
 def test_offline_segments_agree_with_streaming(clips, model):
-    pcm, truth = _compose([0.6, clips[0], 1.5, clips[1], 1.2, clips[2], 0.8], seed=2)
+    pcm, truth = compose([0.6, clips[0], 1.5, clips[1], 1.2, clips[2], 0.8], seed=2)
     streamed = _utterances(_stream(VadSegmenter(1, model=model), {0: pcm})[0])
     offline = segments(pcm, SAMPLE_RATE, model=model)
     _assert_near(offline, truth, TOLERANCE)
@@ -121,8 +83,8 @@ def test_offline_segments_agree_with_streaming(clips, model):
 
 
 def test_sessions_in_one_batch_are_independent(clips, model):
-    a, truth_a = _compose([0.6, clips[0], 1.5, clips[1], 0.8], seed=3)
-    b, truth_b = _compose([1.7, clips[2], 1.0, clips[0], 1.1, clips[1], 0.5], seed=4)
+    a, truth_a = compose([0.6, clips[0], 1.5, clips[1], 0.8], seed=3)
+    b, truth_b = compose([1.7, clips[2], 1.0, clips[0], 1.1, clips[1], 0.5], seed=4)
     quiet = np.random.default_rng(5).normal(0, NOISE, 4 * SAMPLE_RATE).astype(np.float32)
     together = _stream(VadSegmenter(4, model=model), {0: a, 2: b, 3: quiet})
     _assert_near(_utterances(together[0]), truth_a, TOLERANCE)
@@ -146,7 +108,7 @@ def test_silence_and_low_noise_give_no_events(model):
 def test_preroll_and_hangover_are_honoured(clips, model):
     config = VadConfig(preroll_s=0.25, hangover_s=0.4)
     # A 0.2 s pause (shorter than the hang-over) does not split an utterance; 1.5 s does.
-    pcm, truth = _compose([0.8, clips[0], 0.2, clips[1], 1.5, clips[2], 0.8], seed=7)
+    pcm, truth = compose([0.8, clips[0], 0.2, clips[1], 1.5, clips[2], 0.8], seed=7)
     events = _stream(VadSegmenter(1, config, model=model), {0: pcm})[0]
     _assert_near(_utterances(events), [(truth[0][0], truth[1][1]), truth[2]], TOLERANCE)
     heard = soxr.resample(pcm, SAMPLE_RATE, VAD_RATE)
@@ -166,7 +128,7 @@ def test_preroll_and_hangover_are_honoured(clips, model):
 def test_a_long_utterance_is_cut_at_the_maximum(clips, model):
     config = VadConfig(max_utterance_s=1.5)
     speech = np.concatenate([clips[0], clips[2]])  # about 5 s with no pause longer than the hang-over
-    pcm, truth = _compose([0.5, speech, 1.0], seed=8)
+    pcm, truth = compose([0.5, speech, 1.0], seed=8)
     events = [e for e, _ in _stream(VadSegmenter(1, config, model=model), {0: pcm})[0]]
     stops = [e for e in events if isinstance(e, SpeechStopped)]
     assert len(stops) >= 3 and all(len(e.audio) <= 1.5 * VAD_RATE for e in stops)
