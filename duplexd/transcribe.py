@@ -10,29 +10,15 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 from duplexd.clients.audio import InputError as InputError  # the CLI reports it
 from duplexd.clients.audio import read_audio
 from duplexd.engine.devices import check_device
 from duplexd.engine.errors import CheckpointError
 from duplexd.engine.model_files import DTYPES
-from duplexd.engine.transcriber import DEFAULT_PROMPT, SAMPLE_RATE, Transcriber, import_transformers
+from duplexd.engine.transcriber import DEFAULT_PROMPT, SAMPLE_RATE, Transcriber, import_transformers, model_folder
 
 logger = logging.getLogger(__name__)
-
-
-def model_folder(name: str) -> Path:
-    """`demo` (the tiny random model, written once into the cache) or a Hugging Face layout folder."""
-    if name == "demo":
-        from duplexd.engine.gemma4_demo import ensure_gemma4_demo
-
-        logger.warning("using the Gemma 4 demo model: random weights, its transcript is a jumble of word pieces")
-        return ensure_gemma4_demo()
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        raise CheckpointError(f"{name}: not a folder (a Gemma 4 checkpoint in Hugging Face layout)", "model")
-    return path
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from .errors import CheckpointError
 from .gemma4_checkpoint import load_gemma4_audio
+from .hub import hub_repo
 from .models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioStreamState
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,28 @@ def import_transformers() -> Any:
     except ImportError:
         raise CheckpointError(GEMMA_EXTRA) from None
     return transformers
+
+
+def model_folder(ref: str) -> Path:
+    """A Gemma 4 checkpoint in Hugging Face layout as a local folder: `demo` (the tiny random model, written once
+    into the cache), a folder, or a hub repo id (its config, tokenizer and weights, through the HF cache)."""
+    if ref == "demo":
+        from .gemma4_demo import ensure_gemma4_demo
+
+        logger.warning("using the Gemma 4 demo model: random weights, its transcripts are a jumble of word pieces")
+        return ensure_gemma4_demo()
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    if hub_repo(ref) is None:
+        raise CheckpointError(f"{ref}: not a folder or a Hugging Face repo id (a Gemma 4 checkpoint)", "model")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(ref, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, no access: all end the same way
+        why = f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{ref}: cannot fetch it from the Hugging Face hub ({why})", "model") from None
 
 
 def valid_frames(num_samples: int) -> int:

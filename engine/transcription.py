@@ -145,11 +145,13 @@ class TranscriptStream:
 
     def push(self, pcm: np.ndarray) -> None:
         """Queue 24 kHz mono float audio (any length). Never blocks; frames over the bound are dropped."""
-        samples = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        samples = np.array(pcm, dtype=np.float32).reshape(-1)  # a copy: callers reuse their buffers
+        if not np.isfinite(samples).all():
+            np.nan_to_num(samples, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
         with self._lock:
             if self.closed:
                 return
-            data = np.concatenate([self._partial, samples]) if len(self._partial) else samples.copy()
+            data = np.concatenate([self._partial, samples]) if len(self._partial) else samples
             whole = len(data) // FRAME_SIZE
             self._partial = data[whole * FRAME_SIZE :].copy()
             for i in range(whole):
@@ -515,7 +517,9 @@ class TranscriptionService:
             with self.lock:
                 batch = [self._queue.popleft() for _ in range(min(cfg.max_batch, len(self._queue)))]
             try:
-                tokens = self.transcriber.decode([u.soft for u in batch if u.soft is not None], [u.prompt for u in batch])
+                tokens = self.transcriber.decode(
+                    [u.soft for u in batch if u.soft is not None], [u.prompt for u in batch]
+                )
             except Exception as e:
                 logger.exception("transcript decoding failed for %d utterances", len(batch))
                 for u in batch:

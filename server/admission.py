@@ -59,12 +59,13 @@ async def serve(
         return
     metrics.sessions.labels(adapter.name).inc()
     logger.info("%s session %s admitted (slot %d, seed %d)", adapter.name, session.id, session.slot, params.seed)
-    pump = Pump(adapter, session, ctx.limits, metrics)
+    pump = Pump(adapter, session, ctx.limits, metrics, ctx.runtime.transcription)
     ctx.drain.add(pump)
     try:
         try:
             await admitted(pump)
         except BaseException as e:  # the client went away during the greeting, or the server is stopping
+            pump.stop_transcribing()
             pump.session.close("client")
             metrics.closed.labels("lost").inc()
             if not isinstance(e, Exception):

@@ -19,6 +19,7 @@ from .runtime import Runtime
 
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.1, 0.15, 0.2, 0.5, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+TRANSCRIPT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -39,6 +40,16 @@ class _EngineCollector(Collector):
             "duplexd_ready": ("1 once every engine is warm", int(self.runtime.ready)),
             "duplexd_draining": ("1 from SIGTERM/SIGINT until exit: new sessions refused", int(self.draining())),
         }
+        service = self.runtime.transcription
+        if service is not None:
+            t = service.stats()
+            gauges["duplexd_transcription_streams"] = ("sessions being transcribed", t.streams)
+            gauges["duplexd_transcription_streams_capacity"] = (
+                "sessions that can be transcribed at once",
+                t.max_streams,
+            )
+            gauges["duplexd_transcription_queue_depth"] = ("finished utterances waiting for the decoder", t.queued)
+            gauges["duplexd_transcription_speaking"] = ("transcribed sessions in an utterance now", t.speaking)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
@@ -83,8 +94,19 @@ class Metrics:
         self.batch_size = Histogram(
             "duplexd_step_batch_size", "sessions per engine step", buckets=BATCH_BUCKETS, registry=registry
         )
+        self.transcripts = Counter(
+            "duplexd_transcripts", "utterances transcribed, by outcome", ["outcome"], registry=registry
+        )
+        self.transcript_seconds = Histogram(
+            "duplexd_time_to_transcript_seconds",
+            "end of speech to the transcript (or its failure)",
+            buckets=TRANSCRIPT_BUCKETS,
+            registry=registry,
+        )
         for direction in ("in", "out"):
             self.dropped.labels(direction)
+        for outcome in ("completed", "failed"):
+            self.transcripts.labels(outcome)
 
     def on_step(self, record: StepRecord) -> None:
         """Engine-thread callback after every step."""
@@ -95,9 +117,16 @@ class Metrics:
         """Engine callback when frames are dropped at a session's inbox ("in") or outbox ("out") bound."""
         self.dropped.labels(direction).inc(count)
 
+    def on_transcript(self, outcome: str, seconds: float) -> None:
+        """Transcription callback for every utterance ended: "completed" or "failed", end of speech to result."""
+        self.transcripts.labels(outcome).inc()
+        self.transcript_seconds.observe(seconds)
+
     def subscribe(self, runtime: Runtime) -> Callable[[], None]:
         stops = [engine.on_step(self.on_step) for engine in runtime.engines]
         stops += [engine.on_dropped(self.on_dropped) for engine in runtime.engines]
+        if runtime.transcription is not None:
+            stops.append(runtime.transcription.on_transcript(self.on_transcript))
 
         def unsubscribe() -> None:
             for stop in stops:

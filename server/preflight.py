@@ -13,8 +13,10 @@ import ssl
 from pathlib import Path
 
 from duplexd.engine.devices import check_devices
-from duplexd.engine.errors import InputRefused
+from duplexd.engine.errors import CheckpointError, InputRefused
+from duplexd.engine.hub import hub_repo
 from duplexd.engine.model_files import check_model_files
+from duplexd.engine.transcriber import import_transformers
 
 from .runtime import resolve_files
 from .settings import ServerSettings, SettingsError
@@ -23,6 +25,16 @@ from .settings import ServerSettings, SettingsError
 def refused(settings: ServerSettings, error: InputRefused) -> SettingsError:
     """An engine's refusal of an input, named as this server was given it (flag or variable)."""
     return SettingsError(f"{settings.option_name(error.option)} {error}" if error.option else str(error))
+
+
+def check_transcriber(ref: str) -> None:
+    """The transcriber needs transformers, and its model must be `demo`, a folder or a hub repo id."""
+    try:
+        import_transformers()
+    except CheckpointError as e:
+        raise CheckpointError(f"{ref}: {e}", "transcribe") from None
+    if ref != "demo" and not Path(ref).expanduser().is_dir() and hub_repo(ref) is None:
+        raise CheckpointError(f"{ref}: not a folder, a Hugging Face repo id or demo", "transcribe")
 
 
 def check_tls(settings: ServerSettings) -> None:
@@ -81,6 +93,10 @@ def preflight(settings: ServerSettings) -> socket.socket:
     """Every check that needs no model, cheapest first; returns the bound socket. Raises `SettingsError`."""
     try:
         check_devices(settings.devices, "devices")
+        if settings.transcribe_device is not None:
+            check_devices([settings.transcribe_device], "transcribe_device")
+        if settings.transcribe is not None:
+            check_transcriber(settings.transcribe)
     except InputRefused as e:
         raise refused(settings, e) from None
     check_tls(settings)

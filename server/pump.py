@@ -25,8 +25,10 @@ from typing import cast
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
-from duplexd.engine.errors import SessionClosed
+from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.session import Session, SessionOutput
+from duplexd.engine.transcriber import DEFAULT_PROMPT
+from duplexd.engine.transcription import TranscriptEvent, TranscriptionService, TranscriptStream
 
 from .closing import Close, CloseCode, Disconnected, close_for_session_end
 from .metrics import Metrics
@@ -66,6 +68,10 @@ class Adapter(ABC):
     async def send_error(self, close: Close) -> None:
         """Tell the client why the connection is about to close."""
 
+    async def send_transcript(self, event: TranscriptEvent) -> None:  # noqa: B027 - optional
+        """Send one transcription event (speech started/stopped, transcript); only once `Pump.transcribe` was
+        called. Protocols without transcription never get one."""
+
     async def send_bytes(self, data: bytes) -> None:
         async with self.send_lock:
             await self.ws.send_bytes(data)
@@ -97,8 +103,18 @@ def message_size(message: dict) -> int:
 class Pump:
     """Runs one admitted session until it ends, then always closes it (slot and pages back)."""
 
-    def __init__(self, adapter: Adapter, session: Session, limits: Limits, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        adapter: Adapter,
+        session: Session,
+        limits: Limits,
+        metrics: Metrics,
+        transcription: TranscriptionService | None = None,
+    ) -> None:
         self.adapter, self.session, self.limits, self.metrics = adapter, session, limits, metrics
+        self.transcription = transcription
+        self.transcript: TranscriptStream | None = None
+        self._relay: asyncio.Task | None = None
         self.started = time.monotonic()
         # What the watchdog checks: when the client last sent a message, and since when a send has been blocked
         # (None: no send in progress). One timer per session instead of two per frame (wait_for makes a task).
@@ -129,6 +145,34 @@ class Pump:
         """Queue audio (frames over the inbox bound are dropped and counted by the engine's drop events)."""
         with contextlib.suppress(SessionClosed):  # the writer sees the end and reports it
             self.session.push(pcm)
+        if self.transcript is not None:
+            self.transcript.push(pcm)
+
+    # ------------------------------------------------------------------------------------------- transcription
+
+    def transcribe(self, prompt: str = DEFAULT_PROMPT) -> None:
+        """Transcribe the user's audio from now on; the adapter's `send_transcript` gets the events. Idempotent.
+        `CapacityError` when this server has no transcriber or all its streams are taken (the conversation goes
+        on either way)."""
+        if self.transcript is not None:
+            return
+        if self.transcription is None:
+            raise CapacityError("this server has no transcriber (start it with --transcribe MODEL)")
+        self.transcript = self.transcription.open_stream(prompt)
+        self._relay = asyncio.create_task(self._relay_transcripts(self.transcript), name="ws-transcripts")
+
+    def stop_transcribing(self) -> None:
+        if self.transcript is not None:
+            self.transcript.close()  # the relay sees the end
+            self.transcript = None
+
+    async def _relay_transcripts(self, stream: TranscriptStream) -> None:
+        while (event := await stream.recv()) is not None:
+            try:
+                await self.adapter.send_transcript(event)
+            except Exception as e:  # noqa: BLE001 - the transport is gone: the reader and writer report it
+                logger.debug("session %s: transcript not sent: %s", self.session.id, e)
+                return
 
     async def _write(self) -> None:
         limits = self.limits
@@ -198,6 +242,9 @@ class Pump:
             else:  # when both ended, the reader's reason is the cause (the writer only saw the session end)
                 outcome = (tasks[0] if tasks[0] in done else next(iter(done))).exception()
         finally:
+            self.stop_transcribing()
+            if self._relay is not None:
+                tasks.append(self._relay)
             for task in tasks:
                 task.cancel()
             for task in tasks:

@@ -60,21 +60,33 @@ def models(request: Request, ctx: Context) -> dict:
     if not key_ok(request, ctx.settings.api_key):
         raise HTTPException(status_code=401, detail="missing or wrong API key")
     info = ctx.runtime.info
-    return {
-        "object": "list",
-        "data": [
+    models: list[dict] = [
+        {
+            "id": info.id,
+            "object": "model",
+            "created": info.created,
+            "owned_by": "duplexd",
+            "demo": info.demo,
+            "random_weights": info.random_weights is not None,
+            "sample_rate": info.sample_rate,
+            "frame_size": info.frame_size,
+            "devices": list(info.devices),
+            "max_sessions": ctx.runtime.capacity(),
+            "protocols": ["/api/chat", "/v1/realtime"],
+        }
+    ]
+    service = ctx.runtime.transcription
+    if service is not None and info.transcriber is not None:
+        models.append(
             {
-                "id": info.id,
+                "id": info.transcriber,
                 "object": "model",
                 "created": info.created,
                 "owned_by": "duplexd",
-                "demo": info.demo,
-                "random_weights": info.random_weights is not None,
-                "sample_rate": info.sample_rate,
-                "frame_size": info.frame_size,
-                "devices": list(info.devices),
-                "max_sessions": ctx.runtime.capacity(),
-                "protocols": ["/api/chat", "/v1/realtime"],
+                "demo": info.transcriber_demo,
+                "task": "transcription",
+                "max_streams": service.config.max_streams,
+                "endpoints": ["/v1/audio/transcriptions", "/v1/realtime (input_audio_transcription)"],
             }
-        ],
-    }
+        )
+    return {"object": "list", "data": models}

@@ -26,6 +26,8 @@ from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.engine.transcriber import Transcriber, model_folder
+from duplexd.engine.transcription import TranscriptionConfig, TranscriptionService
 
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
 
@@ -45,6 +47,8 @@ class ModelInfo:
     frame_size: int
     devices: tuple[str, ...]
     random_weights: str | None = None  # the LM preset, when its weights are random
+    transcriber: str | None = None  # the Gemma 4 transcribing users' speech, when there is one
+    transcriber_demo: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -110,10 +114,12 @@ def _model_id(settings: ServerSettings, files: ModelFiles) -> str:
 class Runtime:
     """The engines of this server and what they serve; `open_session` never blocks."""
 
-    def __init__(self, engines: list[Engine], info: ModelInfo) -> None:
+    def __init__(
+        self, engines: list[Engine], info: ModelInfo, transcription: TranscriptionService | None = None
+    ) -> None:
         if not engines:
             raise ConfigError("no engine to serve with")
-        self.engines, self.info = engines, info
+        self.engines, self.info, self.transcription = engines, info, transcription
         self.failed: str | None = None  # why warm-up failed, if it did
 
     @property
@@ -127,10 +133,14 @@ class Runtime:
             logger.info("warming up the engine on %s ...", engine.device)
             engine.start()
             logger.info("engine on %s warm in %.1f s", engine.device, time.perf_counter() - started)
+        if self.transcription is not None:
+            self.transcription.start()
 
     def stop(self) -> None:
         for engine in self.engines:
             engine.stop()
+        if self.transcription is not None:
+            self.transcription.stop()
 
     def open_session(self, params: SamplingParams, max_frames: int | None = None) -> Session:
         """Admit a session on the engine with the most room, or raise `CapacityError`."""
@@ -154,6 +164,41 @@ class Runtime:
 
     def capacity(self) -> int:
         return sum(e.config.max_sessions for e in self.engines)
+
+
+def load_transcription(settings: ServerSettings) -> tuple[TranscriptionService, str]:
+    """The transcriber `--transcribe` names, on its device, and its service (not started); and its model id.
+    Loaded before the engines, so on a shared GPU the KV pool is sized from what the transcriber leaves."""
+    assert settings.transcribe is not None
+    device = settings.transcribe_device or settings.devices[0]
+    dtype = weight_dtype(settings, device)
+    streams = settings.transcribe_streams or settings.max_sessions * len(settings.devices)
+    try:
+        folder = model_folder(settings.transcribe)
+        started = time.perf_counter()
+        free = torch.cuda.mem_get_info(torch.device(device))[0] if torch.device(device).type == "cuda" else None
+        transcriber = Transcriber.from_pretrained(
+            folder, device=device, dtype=dtype, max_slots=streams + 1, max_new_tokens=settings.transcribe_max_tokens
+        )
+    except CheckpointError as e:
+        raise CheckpointError(str(e), "transcribe") from None
+    size = sum(p.numel() * p.element_size() for m in (transcriber.encoder, transcriber.decoder) for p in m.parameters())
+    logger.info(
+        "transcriber %s on %s (%s): %.2f GiB of weights, loaded in %.1f s; %d streams",
+        folder,
+        device,
+        dtype,
+        size / 2**30,
+        time.perf_counter() - started,
+        streams,
+    )
+    if free is not None:
+        logger.info(
+            "the transcriber took %.2f GiB of %s's memory", (free - torch.cuda.mem_get_info(device)[0]) / 2**30, device
+        )
+    config = TranscriptionConfig(max_streams=streams, max_queued=settings.transcribe_queue)
+    name = "gemma4-demo" if settings.transcribe == "demo" else settings.transcribe.rstrip("/").rsplit("/", 1)[-1]
+    return TranscriptionService(transcriber, config), name
 
 
 def load_runtime(settings: ServerSettings) -> Runtime:
@@ -186,6 +231,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         files = resolve_files(settings)
         tokenizer_path = resolve_file(files.tokenizer, TOKENIZER_NAME)
         tokenizer = TextTokenizer(tokenizer_path)
+    transcription, transcriber_id = load_transcription(settings) if settings.transcribe else (None, None)
     engines = []
     for index, device in enumerate(settings.devices):
         step = f"[{index + 1}/{len(settings.devices)}] {device}"
@@ -216,7 +262,14 @@ def load_runtime(settings: ServerSettings) -> Runtime:
             cuda_graphs=settings.cuda_graphs,
             threads=threads,
         )
-        engines.append(Engine(lm, mimi, tokenizer, config))
+        try:
+            engines.append(Engine(lm, mimi, tokenizer, config))
+        except ConfigError as e:
+            if transcription is None or (settings.transcribe_device or settings.devices[0]) != device:
+                raise
+            raise ConfigError(
+                f"{e}; the transcriber shares {device}: give it another with --transcribe-device, or a smaller model"
+            ) from None
         logger.info("%s: loaded in %.1f s", step, time.perf_counter() - started)
     first = engines[0]
     info = ModelInfo(
@@ -229,5 +282,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         first.frame_size,
         tuple(settings.devices),
         preset,
+        transcriber_id,
+        settings.transcribe == "demo",
     )
-    return Runtime(engines, info)
+    return Runtime(engines, info, transcription)

@@ -45,6 +45,7 @@ def opt(
 
 
 _NET, _MODEL, _CAP, _ACCESS = "network", "model (default: the demo model, on the CPU)", "capacity and limits", "access"
+_ASR = "transcription of the users' speech (Gemma 4; needs the gemma extra)"
 
 
 class ServerSettings(BaseSettings):
@@ -102,6 +103,19 @@ class ServerSettings(BaseSettings):
     late_frame_seconds: float = opt(
         0.08, "input-to-output delay beyond which an output frame counts as late", _CAP, gt=0
     )
+    transcribe: str | None = opt(
+        None,
+        "transcribe what users say with this Gemma 4: a folder in Hugging Face layout, a hub repo id, or demo "
+        "(a tiny random model: no download, transcribes nonsense)",
+        _ASR,
+        metavar="MODEL",
+    )
+    transcribe_device: str | None = opt(None, "device of the transcriber (default: the first --device)", _ASR)
+    transcribe_streams: int | None = opt(
+        None, "sessions transcribed at once (default: every session slot)", _ASR, metavar="N", ge=1
+    )
+    transcribe_queue: int = opt(32, "finished utterances waiting for the decoder; more fail at once", _ASR, ge=1)
+    transcribe_max_tokens: int = opt(128, "longest transcript of one utterance, in tokens", _ASR, ge=1)
     api_key: str | None = opt(
         None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS, metavar="KEY"
     )
