@@ -1,4 +1,5 @@
-"""Pieces shared by the CPU benchmarks: moving reference weights into duplexd, and the side-by-side table."""
+"""Pieces shared by the CPU benchmarks: moving reference weights into duplexd, interleaved timing, and the
+side-by-side table."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import argparse
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import save_file
+
+T = TypeVar("T")
 
 
 def through_checkpoint(state_dict: dict[str, torch.Tensor], load: Callable[[Path], torch.nn.Module]):
@@ -57,3 +61,34 @@ def median_ms(step: Callable[[object], object], inputs: Iterable, warmup: int) -
         if index >= warmup:
             times.append(time.perf_counter() - started)
     return 1000 * statistics.median(times)
+
+
+def interleaved(runs: Sequence[Callable[[], T]], iters: int, warmup: int = 1) -> list[list[T]]:
+    """Each run's results over `iters` rounds, the runs interleaved (a, b, a, b, ...) after `warmup` untimed rounds,
+    so a burst of load from elsewhere on the machine hits every side alike. A run that returns its own elapsed
+    time can keep its set-up off the clock."""
+    for _ in range(warmup):
+        for run in runs:
+            run()
+    results: list[list[T]] = [[] for _ in runs]
+    for _ in range(iters):
+        for run, acc in zip(runs, results, strict=True):
+            acc.append(run())
+    return results
+
+
+def clocked(fn: Callable[[], object]) -> Callable[[], float]:
+    """`fn` as a run that returns its wall time in seconds."""
+
+    def run() -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    return run
+
+
+def timed_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], iters: int) -> tuple[float, float]:
+    """Median wall times (s) of `iters` calls of each function, interleaved, after one warm-up call each."""
+    a, b = interleaved([clocked(fn_a), clocked(fn_b)], iters)
+    return statistics.median(a), statistics.median(b)

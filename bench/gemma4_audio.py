@@ -21,31 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
-from transformers import Gemma4AudioConfig as HFAudioConfig
-from transformers import Gemma4AudioFeatureExtractor, Gemma4AudioModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from duplexd.engine.models.gemma4_audio import Gemma4AudioConfig, Gemma4AudioEncoder
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import Gemma4AudioConfig as HFAudioConfig  # noqa: E402
+from transformers import Gemma4AudioFeatureExtractor, Gemma4AudioModel  # noqa: E402
+
+from bench.common import timed_pair  # noqa: E402
+from duplexd.engine.models.gemma4_audio import Gemma4AudioConfig, Gemma4AudioEncoder  # noqa: E402
 
 CHUNK = 1280  # 80 ms at 16 kHz
-
-
-def timed_pair(fn_a, fn_b, iters: int) -> tuple[float, float]:
-    """Median wall times of `iters` calls of each function, interleaved (a, b, a, b, ...) after one warm-up
-    each, so a burst of load from elsewhere on the machine hits both sides alike."""
-    fn_a()
-    fn_b()
-    ta, tb = [], []
-    for _ in range(iters):
-        for fn, acc in ((fn_a, ta), (fn_b, tb)):
-            t0 = time.perf_counter()
-            fn()
-            acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
 
 
 @torch.no_grad()
