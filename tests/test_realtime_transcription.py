@@ -83,10 +83,11 @@ def servers(tmp_path_factory, cache, folder):
         ),
         running_server(logs / "plain.log", "--max-sessions", "1", env=env),
     ]
-    with ThreadPoolExecutor(2) as pool, contextlib.ExitStack() as stack:
-        futures = [pool.submit(m.__enter__) for m in managers]
+    with contextlib.ExitStack() as stack:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(m.__enter__) for m in managers]
         for manager, future in zip(managers, futures, strict=True):
-            if future.exception() is None:
+            if future.exception() is None:  # stopped on the way out, even when the other failed to start
                 stack.push(manager.__exit__)
         lives = [f.result() for f in futures]
         yield lives
