@@ -6,6 +6,10 @@ answered with a non-fatal `unsupported_event` error. Sampling is a duplexd exten
 `session.sampling = {text_temperature, text_topk, audio_temperature, audio_topk, seed, repetition_penalty,
 repetition_penalty_context, pad_mult}`.
 
+Transcription of the user's speech (`server.realtime` runs it): `session.input_audio_transcription` (beta) or
+`session.audio.input.transcription` (GA) = `{model, language, prompt}` turns it on, `null` off. Its events are
+those of OpenAI's server VAD mode (speech started/stopped, the committed user item, the transcript), built below.
+
 Client events are one pydantic union tagged by `type`, validated straight from the JSON text by a `TypeAdapter`
 built once: an audio append (12.5 a second per session) costs one pass in pydantic-core and no Python checks.
 A validation error is turned back into the error the protocol promises (`_refusal`) on the slow path only.
@@ -26,11 +30,15 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from duplexd import wire
 from duplexd.engine.config import MAX_REPETITION_CONTEXT, SamplingParams
+from duplexd.engine.transcriber import DEFAULT_PROMPT
 
 from .closing import Close, CloseCode
 
 SUBPROTOCOL = "realtime"
 SAMPLE_RATE = wire.SAMPLE_RATE
+TRANSCRIPTION_PARAM = "session.audio.input.transcription"
+BETA_TRANSCRIPTION_PARAM = "session.input_audio_transcription"
+MAX_TRANSCRIPTION_PROMPT = 500  # characters: the prompt is decoder input for every utterance
 # Client events of the OpenAI API that a duplex model has no use for: answered with a non-fatal error.
 UnsupportedType = Literal[
     "input_audio_buffer.commit",
@@ -72,12 +80,25 @@ class AudioFormat(BaseModel):
     rate: Literal[24000] = 24000  # wire.SAMPLE_RATE, spelt out: a Literal takes no names
 
 
+class TranscriptionSettings(BaseModel):
+    """`input_audio_transcription`: what shapes the instruction given to the transcriber (`transcription_prompt`).
+    `model` is accepted and ignored: the server transcribes with the one it has, and says which."""
+
+    model: str | None = None
+    language: str | None = Field(None, pattern=r"^[A-Za-z]{2}$")  # ISO-639-1
+    prompt: str | None = Field(None, max_length=MAX_TRANSCRIPTION_PROMPT)
+
+
 class AudioSide(BaseModel):
     format: AudioFormat | None = None
 
 
+class AudioInput(AudioSide):
+    transcription: TranscriptionSettings | None = None  # given as null: off (see `SessionUpdate.transcription`)
+
+
 class SessionAudio(BaseModel):
-    input: AudioSide | None = None
+    input: AudioInput | None = None
     output: AudioSide | None = None
 
 
@@ -88,6 +109,7 @@ class SessionPatch(BaseModel):
     input_audio_format: Literal["pcm16"] | None = None  # beta names
     output_audio_format: Literal["pcm16"] | None = None
     sampling: SamplingUpdate | None = None
+    input_audio_transcription: TranscriptionSettings | None = None  # beta name of audio.input.transcription
 
 
 class ClientEvent(BaseModel):
@@ -116,6 +138,16 @@ class SessionUpdate(ClientEvent):
                 "invalid_value", f"bad session.sampling: {e}", self.event_id, "session.sampling"
             ) from None
 
+    def transcription(self) -> tuple[str, TranscriptionSettings | None] | None:
+        """The transcription this update asks for, with the param it was given as: settings, or None to turn it
+        off; None when the update leaves it as it is. The GA place wins when both are given."""
+        side = self.session.audio.input if self.session.audio is not None else None
+        if side is not None and "transcription" in side.model_fields_set:
+            return TRANSCRIPTION_PARAM, side.transcription
+        if "input_audio_transcription" in self.session.model_fields_set:
+            return BETA_TRANSCRIPTION_PARAM, self.session.input_audio_transcription
+        return None
+
 
 class TurnEvent(ClientEvent):
     type: UnsupportedType
@@ -131,6 +163,33 @@ class RealtimeError(Exception):
     def __init__(self, code: str, message: str, event_id: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.event_id, self.param = code, message, event_id, param
+
+
+# ISO-639-1 codes Gemma is asked for by name; another code is named as a code (`transcription_prompt`).
+LANGUAGES = {
+    "ar": "Arabic", "bg": "Bulgarian", "bn": "Bengali", "ca": "Catalan", "cs": "Czech", "da": "Danish",
+    "de": "German", "el": "Greek", "en": "English", "es": "Spanish", "et": "Estonian", "fa": "Persian",
+    "fi": "Finnish", "fr": "French", "he": "Hebrew", "hi": "Hindi", "hr": "Croatian", "hu": "Hungarian",
+    "id": "Indonesian", "it": "Italian", "ja": "Japanese", "ko": "Korean", "lt": "Lithuanian", "lv": "Latvian",
+    "ms": "Malay", "nl": "Dutch", "no": "Norwegian", "pl": "Polish", "pt": "Portuguese", "ro": "Romanian",
+    "ru": "Russian", "sk": "Slovak", "sl": "Slovenian", "sr": "Serbian", "sv": "Swedish", "sw": "Swahili",
+    "ta": "Tamil", "th": "Thai", "tr": "Turkish", "uk": "Ukrainian", "ur": "Urdu", "vi": "Vietnamese",
+    "zh": "Chinese",
+}  # fmt: skip
+
+
+def transcription_prompt(settings: TranscriptionSettings) -> str:
+    """The instruction Gemma gets after each utterance: `DEFAULT_PROMPT` (its original language), or "Transcribe
+    the following speech segment in <language>." when `language` is given; the client's `prompt` follows as
+    "Hint: <prompt>" (words or context to expect)."""
+    if settings.language is None:
+        text = DEFAULT_PROMPT
+    else:
+        code = settings.language.lower()
+        name = LANGUAGES.get(code, f"the language with ISO 639-1 code '{code}'")
+        text = f"Transcribe the following speech segment in {name}."
+    hint = (settings.prompt or "").strip()
+    return f"{text} Hint: {hint}" if hint else text
 
 
 def new_id(prefix: str) -> str:
@@ -207,6 +266,10 @@ def _refusal(e: ValidationError, text: str) -> Close | RealtimeError:
         )
     if path[1:2] in (("input_audio_format",), ("output_audio_format",)):
         return RealtimeError("unsupported_audio_format", "only pcm16 is supported", event_id, ".".join(path[:2]))
+    if path[:4] == ("session", "audio", "input", "transcription"):  # GA: name the field, as for sampling
+        where, field = TRANSCRIPTION_PARAM, ".".join(path[4:])
+        message = f"bad {where}: {field}: {err['msg']}" if field else f"bad {where}: {err['msg']}"
+        return RealtimeError("invalid_value", message, event_id, ".".join(path[:5]))
     where, field = ".".join(path[:2]), ".".join(path[2:])
     message = f"bad {where}: {field}: {err['msg']}" if field else f"bad {where}: {err['msg']}"
     return RealtimeError("invalid_value", message, event_id, ".".join(path[:3]))  # e.g. session.sampling.pad_mult
@@ -219,7 +282,19 @@ def _event(kind: str, **fields: Any) -> str:
     return json.dumps({"type": kind, "event_id": event_id(), **fields}, separators=(",", ":"))
 
 
-def session_object(session_id: str, model: str, params: SamplingParams, max_seconds: float) -> dict[str, Any]:
+def transcription_object(model: str, settings: TranscriptionSettings) -> dict[str, Any]:
+    """The session's `audio.input.transcription` while it is on: the model that transcribes, and the client's
+    language and prompt."""
+    return {"model": model, "language": settings.language, "prompt": settings.prompt}
+
+
+def session_object(
+    session_id: str,
+    model: str,
+    params: SamplingParams,
+    max_seconds: float,
+    transcription: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     fmt = {"type": "audio/pcm", "rate": SAMPLE_RATE}
     return {
         "id": session_id,
@@ -227,7 +302,11 @@ def session_object(session_id: str, model: str, params: SamplingParams, max_seco
         "type": "realtime",
         "model": model,
         "output_modalities": ["audio"],
-        "audio": {"input": {"format": fmt, "turn_detection": None}, "output": {"format": fmt}},
+        "audio": {
+            "input": {"format": fmt, "turn_detection": None, "transcription": transcription},
+            "output": {"format": fmt},
+        },
+        "input_audio_transcription": transcription,  # the beta name
         "sampling": {
             "text_temperature": params.text_temperature,
             "text_topk": params.text_topk,
@@ -291,6 +370,77 @@ def transcript_delta(response_id: str, item_id: str, text: str) -> str:
         content_index=0,
         delta=text,
     )
+
+
+# Transcription of the user's speech: the events of OpenAI's server VAD mode. Each utterance is one user item
+# (`item_...`), announced by speech_started, created (committed, added, done) when speech stops, then transcribed.
+
+
+def speech_started(item_id: str, audio_start_ms: int) -> str:
+    return _event("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms, item_id=item_id)
+
+
+def speech_stopped(item_id: str, audio_end_ms: int) -> str:
+    return _event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
+
+
+def user_audio_item(item_id: str) -> dict[str, Any]:
+    """The user message item of one utterance: its audio is not sent back, its transcript comes by its own
+    events (`transcript: null` until then, as OpenAI does)."""
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": [{"type": "input_audio", "transcript": None}],
+    }
+
+
+def item_committed(item_id: str, previous_item_id: str | None) -> list[str]:
+    """Speech stopped: the audio buffer is committed into a new user item (`input_audio_buffer.committed`, then
+    the GA `conversation.item.added` and `conversation.item.done`)."""
+    item = user_audio_item(item_id)
+    return [
+        _event("input_audio_buffer.committed", previous_item_id=previous_item_id, item_id=item_id),
+        _event("conversation.item.added", previous_item_id=previous_item_id, item=item),
+        _event("conversation.item.done", previous_item_id=previous_item_id, item=item),
+    ]
+
+
+def input_transcript_delta(item_id: str, delta: str) -> str:
+    return _event("conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0, delta=delta)
+
+
+def input_transcript_completed(item_id: str, transcript: str, seconds: float) -> str:
+    return _event(
+        "conversation.item.input_audio_transcription.completed",
+        item_id=item_id,
+        content_index=0,
+        transcript=transcript,
+        usage={"type": "duration", "seconds": round(seconds, 3)},  # of the utterance's audio
+    )
+
+
+def input_transcript_failed(item_id: str, reason: str) -> str:
+    return _event(
+        "conversation.item.input_audio_transcription.failed",
+        item_id=item_id,
+        content_index=0,
+        error={"type": "transcription_error", "code": failure_code(reason), "message": reason, "param": None},
+    )
+
+
+def failure_code(reason: str) -> str:
+    """A stable code for the transcription service's failure reasons (the message keeps the details)."""
+    for prefix, code in (
+        ("audio dropped", "audio_dropped"),
+        ("transcriber overloaded", "transcriber_overloaded"),
+        ("decoding failed", "decoding_failed"),
+    ):
+        if reason.startswith(prefix):
+            return code
+    return "transcription_failed"
 
 
 def error_event(

@@ -1,7 +1,9 @@
 """The browser voice chat in a real headless Chromium (Debian's, driven by Playwright), against `duplexd serve`.
 
-Chromium's fake media flags feed the microphone from a WAV file, so the page really captures, streams, plays and
-shows text. Screenshots are saved in the test's tmp dir and copied to out/ (git-ignored) for a look.
+Chromium's fake media flags feed the microphone from a WAV file (an espeak-ng sentence between silences, looped;
+synthetic speech-like noise without espeak-ng), so the page really captures, streams, plays and shows text, and
+the server (`--transcribe demo`) really transcribes what the "user" says. Screenshots are saved in the test's tmp
+dir and copied to out/ (git-ignored) for a look.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from duplexd.clients.audio import speech_like, write_wav
 from duplexd.clients.connection import ConnectOptions, open_connection
 
 from .live_server import running_server
+from .speech import compose, needs_espeak, speak
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -30,14 +33,21 @@ OUT = Path(__file__).resolve().parents[1] / "out"
 def server(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
     log = tmp_path_factory.mktemp("web-server") / "serve.log"
-    with running_server(log, "--max-sessions", "1", env={"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}) as live:
+    env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    args = ("--max-sessions", "1", "--transcribe", "demo", "--transcribe-max-tokens", "16")
+    with running_server(log, *args, env=env) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    wav = tmp_path_factory.mktemp("mic") / "mic.wav"
-    write_wav(str(wav), speech_like(4.0, seed=5))
+    mic = tmp_path_factory.mktemp("mic")
+    wav = mic / "mic.wav"
+    if shutil.which("espeak-ng"):
+        pcm, _ = compose([0.6, speak("Please call me back tomorrow morning.", mic), 1.4], seed=5)
+    else:
+        pcm = speech_like(4.0, seed=5)
+    write_wav(str(wav), pcm)
     args = [
         "--no-sandbox",
         "--disable-gpu",
@@ -94,7 +104,8 @@ def test_talks_hears_and_reads_the_model(server, page, tmp_path):
     page.wait_for_selector("#state[data-state=live]", timeout=15000)
     page.wait_for_function("Number(document.getElementById('frames-received').textContent) >= 30", timeout=20000)
     page.wait_for_function("document.getElementById('text').textContent.length > 0", timeout=5000)
-    assert page.eval_on_selector("#in-level", "e => parseFloat(e.style.width)") > 0  # the mic meter moves
+    # The mic meter moves (when the looped file speaks: noise suppression may silence its pauses).
+    page.wait_for_function("parseFloat(document.getElementById('in-level').style.width) > 0", timeout=10000)
     first = page.inner_text("#first-audio")
     assert first.endswith("ms")
     save(page, tmp_path, "web-chat.png")
@@ -132,6 +143,29 @@ def test_refused_session_says_the_server_is_full(server, page, tmp_path):
     finally:
         release.set()
         holder.join(10)
+
+
+@needs_espeak
+def test_shows_the_users_captions(server, page, tmp_path):
+    """With "Transcribe me" on (the default: the server lists a transcription model), each thing the microphone
+    says gets a caption line: a placeholder while it is spoken, then the server's transcript."""
+    wait_until_idle(server)
+    page.goto(server.url + "/")
+    page.wait_for_selector("#transcribe-toggle:not([hidden])", timeout=10000)
+    assert page.is_checked("#transcribe") and page.is_visible("#you")
+    page.click("#start")
+    page.wait_for_selector("#state[data-state=live]", timeout=15000)
+    page.wait_for_selector("#captions li[data-state=speaking]", timeout=20000)
+    assert "speaking" in page.inner_text("#captions li[data-state=speaking]")
+    page.wait_for_selector("#captions li[data-state=done]", timeout=30000)
+    first = page.query_selector("#captions li[data-state=done]")
+    assert first is not None
+    text = first.inner_text()
+    assert text and "…" not in text and first.get_attribute("data-item").startswith("item_")
+    assert page.is_hidden("#message")  # no transcription error
+    save(page, tmp_path, "web-captions.png")
+    page.click("#stop")
+    page.wait_for_selector("#state[data-state=idle]")
 
 
 def test_lost_connection_is_reported(server, page, tmp_path):

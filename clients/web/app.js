@@ -1,5 +1,7 @@
 // duplexd browser voice chat: microphone → /v1/realtime (base64 pcm16, 24 kHz) → the model's voice and text.
 // No build step and no codec: the OpenAI Realtime subset carries raw pcm16, so the browser needs no Opus.
+// "Transcribe me" (when the server has a transcription model) turns on input_audio_transcription: the user's
+// captions, one line per utterance, from the server's speech_started / speech_stopped / transcription events.
 
 const RATE = 24000;
 const FRAME = 1920; // 80 ms
@@ -9,9 +11,11 @@ const ui = {
   state: $("state"), message: $("message"), demo: $("demo-note"), text: $("text"), start: $("start"),
   stop: $("stop"), inLevel: $("in-level"), outLevel: $("out-level"), frames: $("frames-received"),
   firstAudio: $("first-audio"), buffered: $("buffered"), underruns: $("underruns"), model: $("model-id"),
+  transcribe: $("transcribe"), transcribeToggle: $("transcribe-toggle"), you: $("you"), captions: $("captions"),
 };
 
 let chat = null; // the running conversation, if any
+let transcriber = null; // the server's transcription model (from /v1/models), if it has one
 
 function setState(state, label) {
   ui.state.className = `state ${state}`;
@@ -54,6 +58,59 @@ function pcm16(frame) {
   return out;
 }
 
+// ------------------------------------------------------------------------------------------- captions
+
+function transcriptionUpdate(on) {
+  const settings = on ? { model: transcriber } : null;
+  return JSON.stringify({ type: "session.update", session: { input_audio_transcription: settings } });
+}
+
+function caption(c, itemId) {
+  let line = c.captions.get(itemId);
+  if (!line) {
+    line = document.createElement("li");
+    line.dataset.item = itemId;
+    c.captions.set(itemId, line);
+    ui.captions.appendChild(line);
+  }
+  return line;
+}
+
+function setCaption(line, state, text, title) {
+  line.dataset.state = state;
+  line.textContent = text;
+  if (title) line.title = title;
+  ui.captions.scrollTop = ui.captions.scrollHeight;
+}
+
+function onTranscriptEvent(c, event) {
+  switch (event.type) {
+    case "input_audio_buffer.speech_started":
+      setCaption(caption(c, event.item_id), "speaking", "… (speaking)");
+      break;
+    case "input_audio_buffer.speech_stopped": {
+      const line = caption(c, event.item_id);
+      if (line.dataset.state === "speaking") setCaption(line, "transcribing", "… (transcribing)");
+      break;
+    }
+    case "conversation.item.input_audio_transcription.delta": {
+      const line = caption(c, event.item_id);
+      const sofar = line.dataset.state === "partial" ? line.textContent : "";
+      setCaption(line, "partial", sofar + (event.delta || ""));
+      break;
+    }
+    case "conversation.item.input_audio_transcription.completed":
+      setCaption(caption(c, event.item_id), "done", event.transcript || "(no words)");
+      break;
+    case "conversation.item.input_audio_transcription.failed":
+      setCaption(caption(c, event.item_id), "failed", "(transcript failed)", (event.error || {}).message);
+      break;
+    default:
+      return false;
+  }
+  return true;
+}
+
 function settings() {
   const query = new URLSearchParams();
   for (const name of ["text_temperature", "text_topk", "audio_temperature", "audio_topk", "seed"]) {
@@ -87,10 +144,11 @@ async function start() {
   ui.start.disabled = true;
   ui.stop.disabled = false;
   ui.text.textContent = "";
+  ui.captions.textContent = "";
   ui.frames.textContent = "0";
   ui.firstAudio.textContent = "–";
   setState("connecting", "opening microphone");
-  const c = { userClosed: false, admitted: false, frames: 0, sentAt: null, closeInfo: null };
+  const c = { userClosed: false, admitted: false, frames: 0, sentAt: null, closeInfo: null, captions: new Map() };
   chat = c;
   try {
     c.context = new AudioContext({ sampleRate: RATE, latencyHint: "interactive" });
@@ -139,11 +197,13 @@ async function start() {
 
 function onEvent(c, event) {
   if (chat !== c) return;
+  if (onTranscriptEvent(c, event)) return;
   switch (event.type) {
     case "session.created":
       c.admitted = true;
       setState("live", "live");
       if (event.session && event.session.model) ui.model.textContent = `model ${event.session.model}`;
+      if (transcriber && ui.transcribe.checked) c.ws.send(transcriptionUpdate(true));
       break;
     case "response.output_audio.delta":
     case "response.audio.delta": {
@@ -161,6 +221,11 @@ function onEvent(c, event) {
       break;
     case "error": {
       const err = event.error || {};
+      const transcription = (err.param || "").includes("transcription") || (err.code || "").startsWith("transcri");
+      if (c.admitted && transcription) { // non-fatal: the conversation goes on, untranscribed
+        showMessage(`No transcription: ${err.message}`);
+        break;
+      }
       const known = REFUSALS[err.code];
       c.closeInfo = known ? `${known}${err.code === "invalid_parameter" ? `: ${err.message}` : ""}`
                           : `Server error (${err.code}): ${err.message}`;
@@ -214,16 +279,28 @@ async function describeServer() {
       return;
     }
     const body = await response.json();
-    const model = body.data && body.data[0];
+    const models = body.data || [];
+    const model = models.find((m) => m.task !== "transcription");
     if (model) {
       ui.demo.hidden = !model.demo;
       ui.model.textContent = `model ${model.id}`;
     }
+    const asr = models.find((m) => m.task === "transcription");
+    transcriber = asr ? asr.id : null;
+    ui.transcribeToggle.hidden = !asr;
+    ui.transcribe.checked = Boolean(asr);
+    ui.you.hidden = !asr;
   } catch (e) {
     showMessage(`Cannot reach the server: ${e.message || e}`);
   }
 }
 
 ui.start.addEventListener("click", start);
+ui.transcribe.addEventListener("change", () => {
+  ui.you.hidden = !ui.transcribe.checked;
+  if (chat && chat.admitted && chat.ws.readyState === WebSocket.OPEN) {
+    chat.ws.send(transcriptionUpdate(ui.transcribe.checked));
+  }
+});
 ui.stop.addEventListener("click", () => stop("", "idle"));
 describeServer();
