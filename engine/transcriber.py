@@ -271,7 +271,7 @@ class Transcriber:
         is_audio = ids == self.audio_token_id
         text_ids = ids.masked_fill(is_audio, self.pad_token_id)
         embeds = self.decoder.get_input_embeddings()(text_ids)
-        soft = torch.cat(softs).to(embeds.device, embeds.dtype)
+        soft = torch.cat(list(softs)).to(embeds.device, embeds.dtype)
         if int(is_audio.sum()) != soft.shape[0]:
             raise AssertionError(f"{int(is_audio.sum())} audio tokens for {soft.shape[0]} soft tokens")
         embeds = embeds.masked_scatter(is_audio[..., None], soft)
