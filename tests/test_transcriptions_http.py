@@ -106,6 +106,7 @@ def silero():
 
 
 def post(server, files=None, data=None, headers=None, **kw) -> httpx2.Response:
+    """A request to the endpoint, with the API key unless `headers` say otherwise."""
     return httpx2.post(
         f"{server.url}/v1/audio/transcriptions",
         files=files,
@@ -289,6 +290,10 @@ def test_bad_uploads_are_refused_and_nothing_else_is_harmed(server, speech):
                         data=data,
                         headers=AUTH if headers is None else headers,
                     )
+                good = await client.post(
+                    f"{server.url}/v1/audio/transcriptions", files={"file": path.read_bytes()}, headers=AUTH
+                )
+                assert good.status_code == 200 and good.json()["text"], good.text
             assert await _session_frames(ws, 5) == 4  # the session went on throughout
             return answers
 
@@ -302,6 +307,16 @@ def test_bad_uploads_are_refused_and_nothing_else_is_harmed(server, speech):
     assert "MP4" in answers["MP4 header"].json()["error"]["message"]
     assert "WAV, FLAC, Ogg" in answers["text file"].json()["error"]["message"]
     assert answers["bad response_format"].json()["error"]["param"] == "response_format"
+    boundary = "duplexd-test"
+
+    def chunked():  # no Content-Length: the limit is enforced while the body arrives
+        yield f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF'.encode()
+        for _ in range(48):
+            yield bytes(1 << 16)
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    r = post(server, content=chunked(), headers={**AUTH, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large", r.text
     with open(path, "rb") as f:  # and the server still transcribes
         r = post(server, files={"file": ("speech.wav", f)})
     assert r.status_code == 200 and r.json()["text"], r.text
