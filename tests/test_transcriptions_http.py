@@ -364,3 +364,18 @@ def test_upload_formats_decode_to_16k_mono(fmt, subtype, exact):
         np.testing.assert_allclose(decoded.pcm, mono, atol=2e-3)
     with pytest.raises(UploadError, match="longer than"):
         decode(io.BytesIO(wav_bytes(stereo, 48_000, fmt, subtype)), 0.5)
+
+
+def test_the_cli_prints_what_the_server_answers(server, speech, cache, capsys):
+    """`duplexd transcribe --format verbose_json` takes the same path: the same segments, token for token."""
+    from duplexd import cli
+
+    path, _ = speech
+    argv = ["transcribe", str(path), "--model", str(ensure_gemma4_demo(cache)), "--max-new-tokens", str(MAX_NEW)]
+    assert cli.main([*argv, "--format", "verbose_json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    with open(path, "rb") as f:
+        served = post(server, files={"file": f}, data={"response_format": "verbose_json"}).json()
+    assert printed["segments"] == served["segments"] and printed["text"] == served["text"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == served["text"] + "\n"
