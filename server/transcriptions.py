@@ -195,7 +195,6 @@ def _read_form(form: FormData) -> _Form:
 async def transcriptions(request: Request, ctx: Context) -> Response:
     limit = int(ctx.settings.max_upload_bytes)
     body = _Body(request.receive, limit + FORM_SLACK)
-    started = time.perf_counter()
     try:
         response = await _transcribe(request, ctx, body)
     except ApiError as e:
@@ -208,7 +207,6 @@ async def transcriptions(request: Request, ctx: Context) -> Response:
         ctx.metrics.file_transcriptions.labels("disconnected").inc()
         return Response(status_code=499)  # nobody reads it
     ctx.metrics.file_transcriptions.labels("completed").inc()
-    logger.info("transcribed an upload in %.2f s", time.perf_counter() - started)
     return response
 
 
@@ -256,6 +254,7 @@ async def _answer(
     if uploads.busy >= uploads.limit:
         raise ApiError(503, f"all {uploads.limit} upload transcription slots are busy; retry shortly", "overloaded")
     uploads.busy += 1
+    started = time.perf_counter()
     try:
         try:
             decoded, plan = await asyncio.to_thread(
@@ -275,13 +274,14 @@ async def _answer(
     finally:
         uploads.busy -= 1
     logger.info(
-        "upload %r: %s, %d Hz, %d channel(s), %.1f s, %d utterance(s)",
+        "transcribed upload %r (%s, %d Hz, %d channel(s), %.1f s): %d utterance(s) in %.2f s",
         form.upload.filename,
         decoded.format,
         decoded.rate,
         decoded.channels,
         decoded.duration_s,
         len(result.segments),
+        time.perf_counter() - started,
     )
     model = ctx.runtime.info.transcriber or "transcriber"
     headers = {"openai-model": model}
