@@ -1,22 +1,36 @@
-"""`duplexd transcribe FILE`: a whole audio file as one utterance through the Gemma 4 transcriber, text printed.
+"""`duplexd transcribe FILE`: a whole audio file through the Gemma 4 transcriber, the transcript printed.
 
-The file goes through the same stream a live session uses (80 ms at a time), so this is also a smoke test of it.
-Splitting long recordings at pauses (voice activity) is not done here: the reference drops audio past 30 s.
+The same path as the server's `POST /v1/audio/transcriptions` (`engine.file_transcription`): the file is split at
+pauses by the VAD (utterances cut at 30 s, so files of any length work) and each utterance goes through a
+`TranscriptionService` of one stream, its streamed audio tower and batched decoder. `--format` prints the
+endpoint's response formats.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
+
+import torch
 
 from duplexd.clients.audio import InputError as InputError  # the CLI reports it
 from duplexd.clients.audio import read_audio
 from duplexd.engine.devices import check_device
 from duplexd.engine.errors import CheckpointError
+from duplexd.engine.file_transcription import (
+    RESPONSE_FORMATS,
+    json_body,
+    text_body,
+    transcribe_file,
+    verbose_body,
+)
 from duplexd.engine.model_files import DTYPES
 from duplexd.engine.transcriber import DEFAULT_PROMPT, SAMPLE_RATE, Transcriber, import_transformers, model_folder
+from duplexd.engine.transcription import TranscriptionConfig, TranscriptionService
+from duplexd.engine.vad import VadSegmenter, load_silero
 
 logger = logging.getLogger(__name__)
 
@@ -28,27 +42,57 @@ def run(args: argparse.Namespace) -> int:
     pcm = read_audio(args.input, sample_rate=SAMPLE_RATE)
     import_transformers()
     folder = model_folder(args.model)
+    config = TranscriptionConfig(max_streams=1)  # no live stream; the service needs one slot more for files
     try:
         transcriber = Transcriber.from_pretrained(
-            folder, device=device, dtype=DTYPES[args.dtype], max_slots=1, max_new_tokens=args.max_new_tokens
+            folder,
+            device=device,
+            dtype=DTYPES[args.dtype],
+            max_slots=config.max_streams + 1,
+            max_new_tokens=args.max_new_tokens,
         )
     except CheckpointError as e:
         e.option = e.option or "model"
         raise
+    silero = load_silero()
+    torch.set_num_threads(1)  # Silero's 32 ms windows are too small to split; more threads only contend
+    service = TranscriptionService(transcriber, config, VadSegmenter(config.max_streams, config.vad, model=silero))
     started = time.perf_counter()
-    tokens = transcriber.transcribe(pcm, args.prompt)
+    service.start()
+    try:
+        result = transcribe_file(service, pcm, SAMPLE_RATE, args.prompt, model=silero)
+    finally:
+        service.stop()
     elapsed = time.perf_counter() - started
-    sys.stdout.write(transcriber.text(tokens) + "\n")
-    logger.info("%.2f s of audio, %d tokens in %.2f s", len(pcm) / SAMPLE_RATE, len(tokens), elapsed)
+    if args.format == "json":
+        out = json.dumps(json_body(result), ensure_ascii=False) + "\n"
+    elif args.format == "verbose_json":
+        out = json.dumps(verbose_body(result, "unknown", folder.name), ensure_ascii=False) + "\n"
+    else:
+        out = text_body(result, args.format)
+    sys.stdout.write(out)
+    logger.info(
+        "%.2f s of audio, %d utterance(s), %d tokens in %.2f s",
+        result.duration_s,
+        len(result.segments),
+        sum(len(s.tokens) for s in result.segments),
+        elapsed,
+    )
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("transcribe", help="transcribe an audio file with Gemma 4 (one utterance, at most 30 s)")
+    p = sub.add_parser("transcribe", help="transcribe an audio file with Gemma 4 (split at pauses, any length)")
     p.add_argument("input", help="input audio (any format soundfile reads, any rate; stereo is down-mixed)")
     p.add_argument("--model", default="demo", help="Gemma 4 folder in Hugging Face layout, or `demo` (default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the instruction that follows the audio")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest transcript of one utterance")
+    p.add_argument(
+        "--format",
+        choices=RESPONSE_FORMATS,
+        default="text",
+        help="output as the server's response_format: text (default), json, verbose_json, srt, vtt",
+    )
     p.set_defaults(func=run)

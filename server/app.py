@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from . import kyutai, realtime, routes
+from . import kyutai, realtime, routes, transcriptions
 from .context import ServerContext
 from .drain import Drain
 from .metrics import Metrics
@@ -54,6 +54,7 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(kyutai.router)
     app.include_router(realtime.router)
+    app.include_router(transcriptions.router)
     web = static_dir(settings.static)
     if web is not None:
         app.mount("/", WebClient(web), name="web")

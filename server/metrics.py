@@ -103,6 +103,12 @@ class Metrics:
             buckets=TRANSCRIPT_BUCKETS,
             registry=registry,
         )
+        self.file_transcriptions = Counter(
+            "duplexd_file_transcriptions",
+            "POST /v1/audio/transcriptions requests, by outcome: completed or the error code",
+            ["outcome"],
+            registry=registry,
+        )
         for direction in ("in", "out"):
             self.dropped.labels(direction)
         for outcome in ("completed", "failed"):

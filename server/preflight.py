@@ -8,9 +8,12 @@ loading and cannot change afterwards.
 from __future__ import annotations
 
 import errno
+import json
 import socket
 import ssl
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 from duplexd.engine.devices import check_devices
 from duplexd.engine.errors import CheckpointError, InputRefused
@@ -21,6 +24,8 @@ from duplexd.engine.transcriber import import_transformers
 from .runtime import resolve_files
 from .settings import ServerSettings, SettingsError
 
+AUDIO_TOWER = ("model.audio_tower.", "audio_tower.")  # as engine.gemma4_checkpoint reads them
+
 
 def refused(settings: ServerSettings, error: InputRefused) -> SettingsError:
     """An engine's refusal of an input, named as this server was given it (flag or variable)."""
@@ -28,13 +33,55 @@ def refused(settings: ServerSettings, error: InputRefused) -> SettingsError:
 
 
 def check_transcriber(ref: str) -> None:
-    """The transcriber needs transformers, and its model must be `demo`, a folder or a hub repo id."""
+    """The transcriber needs transformers, and its model must be `demo`, a hub repo id, or a folder holding a
+    Gemma 4 checkpoint with an audio tower (checked from config.json and the weights' names: no tensor is read).
+    The reference first, then the import (seconds)."""
+    folder = Path(ref).expanduser()
+    if ref == "demo":
+        pass
+    elif folder.is_dir():
+        why = _not_gemma4_with_audio(folder)
+        if why:
+            raise CheckpointError(f"{ref}: {why}", "transcribe")
+    elif hub_repo(ref) is None:
+        raise CheckpointError(f"{ref}: not a folder, a Hugging Face repo id or demo", "transcribe")
     try:
         import_transformers()
     except CheckpointError as e:
         raise CheckpointError(f"{ref}: {e}", "transcribe") from None
-    if ref != "demo" and not Path(ref).expanduser().is_dir() and hub_repo(ref) is None:
-        raise CheckpointError(f"{ref}: not a folder, a Hugging Face repo id or demo", "transcribe")
+
+
+def _not_gemma4_with_audio(folder: Path) -> str | None:
+    """Why `folder` is not a Gemma 4 checkpoint with an audio tower in Hugging Face layout, or None."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return "not a Gemma 4 checkpoint: no config.json in the folder"
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        return f"not a Gemma 4 checkpoint: cannot read config.json ({e})"
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if not isinstance(kind, str) or not kind.startswith("gemma4"):
+        return f"not a Gemma 4 checkpoint: config.json has model_type {kind!r}"
+    if not cfg.get("audio_config"):
+        return "this Gemma 4 has no audio tower (config.json has no audio_config); E2B and E4B have one"
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = list(json.loads(index.read_text()).get("weight_map", {}))
+        else:
+            shards = sorted(folder.glob("*.safetensors"))
+            if not shards:
+                return "no weights: neither model.safetensors nor model.safetensors.index.json in the folder"
+            names = []
+            for shard in shards:
+                with safe_open(str(shard), framework="pt") as f:
+                    names += list(f.keys())
+    except (OSError, ValueError, AttributeError, SafetensorError) as e:
+        return f"cannot read the weights' names ({type(e).__name__}: {e})"
+    if not any(name.startswith(AUDIO_TOWER) for name in names):
+        return f"its weights hold no audio tower ({AUDIO_TOWER[0]}*): not a Gemma 4 E2B or E4B?"
+    return None
 
 
 def check_tls(settings: ServerSettings) -> None:

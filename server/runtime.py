@@ -181,7 +181,18 @@ def load_transcription(settings: ServerSettings) -> tuple[TranscriptionService, 
             folder, device=device, dtype=dtype, max_slots=streams + 1, max_new_tokens=settings.transcribe_max_tokens
         )
     except CheckpointError as e:
-        raise CheckpointError(str(e), "transcribe") from None
+        raise CheckpointError(_one_line(settings.transcribe, e), "transcribe") from None
+    except torch.cuda.OutOfMemoryError as e:
+        raise CheckpointError(
+            f"{settings.transcribe}: does not fit on {device} ({_one_line('', e)}); give --transcribe-device another",
+            "transcribe",
+        ) from None
+    except Exception as e:  # noqa: BLE001 - transformers' refusals (OSError, ValueError, KeyError...) of a folder
+        logger.debug("loading the transcriber failed", exc_info=True)
+        raise CheckpointError(
+            f"{settings.transcribe}: cannot load it as a Gemma 4 checkpoint ({type(e).__name__}: {_one_line('', e)})",
+            "transcribe",
+        ) from None
     size = sum(p.numel() * p.element_size() for m in (transcriber.encoder, transcriber.decoder) for p in m.parameters())
     logger.info(
         "transcriber %s on %s (%s): %.2f GiB of weights, loaded in %.1f s; %d streams",
@@ -199,6 +210,14 @@ def load_transcription(settings: ServerSettings) -> tuple[TranscriptionService, 
     config = TranscriptionConfig(max_streams=streams, max_queued=settings.transcribe_queue)
     name = "gemma4-demo" if settings.transcribe == "demo" else settings.transcribe.rstrip("/").rsplit("/", 1)[-1]
     return TranscriptionService(transcriber, config), name
+
+
+def _one_line(ref: str, error: BaseException, limit: int = 400) -> str:
+    """An error's message on one line (transformers' span several), at most `limit` characters, led by `ref`
+    unless it already names it."""
+    text = " ".join(str(error).split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if not ref or text.startswith(ref) else f"{ref}: {text}"
 
 
 def load_runtime(settings: ServerSettings) -> Runtime:

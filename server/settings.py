@@ -116,6 +116,17 @@ class ServerSettings(BaseSettings):
     )
     transcribe_queue: int = opt(32, "finished utterances waiting for the decoder; more fail at once", _ASR, ge=1)
     transcribe_max_tokens: int = opt(128, "longest transcript of one utterance, in tokens", _ASR, ge=1)
+    transcribe_files: int = opt(
+        4, "uploads (POST /v1/audio/transcriptions) transcribed at once; more are refused with 503", _ASR, ge=1
+    )
+    max_upload_bytes: ByteSize = opt(
+        ByteSize(25 << 20),
+        "largest audio file a client may upload for transcription, e.g. 25MiB",
+        _ASR,
+        metavar="SIZE",
+        ge=1,
+    )
+    max_transcribe_seconds: float = opt(600.0, "longest audio file transcribed, in seconds", _ASR, gt=0)
     api_key: str | None = opt(
         None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS, metavar="KEY"
     )

@@ -8,6 +8,7 @@ cost seconds, not forty torch imports; two cases also go through the installed `
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -153,15 +154,71 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
     ),
     "generate with a bad config": (["generate", "--config", "{tmp}/bad.json"], "--config {tmp}/bad.json", {}),
     "generate zero frames": (["generate", "--frames", "0"], "--frames 0: must be at least 1", {}),
+    "transcriber folder missing": (
+        ["serve", "--transcribe", "{tmp}/no-gemma"],
+        "--transcribe {tmp}/no-gemma: not a folder, a Hugging Face repo id or demo",
+        {},
+    ),
+    "transcriber folder not Gemma 4": (
+        ["serve", "--transcribe", "{tmp}"],
+        "--transcribe {tmp}: not a Gemma 4 checkpoint: no config.json",
+        {},
+    ),
+    "transcriber config not Gemma 4": (
+        ["serve", "--transcribe", "{tmp}/llama"],
+        "--transcribe {tmp}/llama: not a Gemma 4 checkpoint: config.json has model_type 'llama'",
+        {},
+    ),
+    "transcribe device unknown": (
+        ["serve", "--transcribe", "demo", "--transcribe-device", "tpu9"],
+        "--transcribe-device tpu9: not a device name",
+        {},
+    ),
+    "transcribe device beyond the count": (
+        ["serve", "--transcribe", "demo", "--transcribe-device", "cuda:5"],
+        "--transcribe-device cuda:5: this machine",
+        {},
+    ),
+}
+# Cases on a real (tiny) Gemma 4 checkpoint, rewritten: they need transformers to write it.
+GEMMA_CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
+    "transcriber without audio weights": (
+        ["serve", "--transcribe", "{gemma}/no-audio"],
+        "--transcribe {gemma}/no-audio: its weights hold no audio tower (model.audio_tower.*)",
+        {},
+    ),
+    "transcriber with a tensor missing": (  # passes the checks by name; loading finds it
+        ["serve", "--transcribe", "{gemma}/one-missing"],
+        "--transcribe {gemma}/one-missing: missing keys (1): audio_tower.",
+        {},
+    ),
 }
 
 
 def _files(tmp: Path) -> None:
+    (tmp / "llama").mkdir()
+    (tmp / "llama" / "config.json").write_text('{"model_type": "llama"}')
     (tmp / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + bytes(100))
     (tmp / "bad.json").write_text("{not json")
     (tmp / "list.json").write_text("[1, 2]")
     (tmp / "layer_norm.json").write_text('{"norm": "layer_norm"}')
     sf.write(tmp / "in.wav", np.zeros(4800, np.float32), 24000)
+
+
+def _gemma_variants(cache: Path, out: Path) -> Path:
+    """Copies of the Gemma 4 demo: without its audio tower's tensors, and without one of them."""
+    from safetensors.torch import load_file, save_file
+
+    from duplexd.engine.gemma4_demo import ensure_gemma4_demo
+
+    demo = ensure_gemma4_demo(cache)
+    weights = load_file(demo / "model.safetensors")
+    tower = sorted(k for k in weights if k.startswith("model.audio_tower."))
+    for name, drop in (("no-audio", set(tower)), ("one-missing", {tower[0]})):
+        shutil.copytree(demo, out / name)
+        kept = {k: v for k, v in weights.items() if k not in drop}
+        save_file(kept, out / name / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 def _forked(
@@ -203,24 +260,31 @@ def results(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, st
         mp.setenv("DUPLEXD_CACHE", str(cache))
         demo = ensure_demo()  # written once here, so no case writes it (or pays for it)
     _files(tmp)
+    cases = dict(CASES)
+    gemma = None
+    if importlib.util.find_spec("transformers") is not None:
+        gemma = _gemma_variants(cache, tmp_path_factory.mktemp("gemma"))
+        cases.update(GEMMA_CASES)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        fill = {"tmp": tmp, "demo": demo, "busy": busy.getsockname()[1]}
+        fill = {"tmp": tmp, "demo": demo, "busy": busy.getsockname()[1], "gemma": gemma}
         jobs = {
             name: ([arg.format(**fill) for arg in argv], expected.format(**fill), {**env, **extra})
-            for name, (argv, expected, extra) in CASES.items()
+            for name, (argv, expected, extra) in cases.items()
         }
         procs = _forked(jobs, tmp, env)
     return {name: (procs[name], jobs[name][1]) for name in jobs}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *GEMMA_CASES])
 def test_startup_error(results, name):
+    if name not in results:
+        pytest.skip("needs transformers (the gemma extra) to write a Gemma 4 checkpoint")
     proc, expected = results[name]
     err = proc.stderr
     lines = [line for line in err.splitlines() if ": error: " in line]
-    command = CASES[name][0][0]
+    command = {**CASES, **GEMMA_CASES}[name][0][0]
     assert proc.returncode == 2, (proc.returncode, err)
     assert len(lines) == 1 and lines[0].startswith(f"duplexd {command}: error: "), err
     assert expected in lines[0], (expected, lines[0])
@@ -242,3 +306,27 @@ def test_the_installed_command(tmp_path, argv, expected):
     proc = subprocess.run([command, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(expected), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_transcribe_without_transformers(tmp_path):
+    """`--transcribe` where transformers cannot be imported (a package on the path that fails to import, as a
+    missing one does): the one line names the flag and the extra, before anything is loaded."""
+    stub = tmp_path / "stub" / "transformers"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('No module named transformers (simulated)')\n")
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUPLEXD_")}
+    env.update(PYTHONPATH=str(tmp_path / "stub"), DUPLEXD_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "duplexd", "serve", "--transcribe", "demo", "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=120,
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    expected = "--transcribe demo: the Gemma 4 transcriber needs transformers: pip install 'duplexd[gemma]'"
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert last == f"duplexd serve: error: {expected}", proc.stderr
+    assert not cache.exists()  # nothing written, nothing loaded
