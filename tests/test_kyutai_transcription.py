@@ -31,6 +31,8 @@ from websockets.exceptions import ConnectionClosed
 
 transformers = pytest.importorskip("transformers")
 
+from duplexd.cli import main  # noqa: E402
+from duplexd.clients.audio import read_audio, write_wav  # noqa: E402
 from duplexd.clients.kyutai import encode_stream  # noqa: E402
 from duplexd.engine.demo import ensure_demo  # noqa: E402
 from duplexd.engine.gemma4_demo import ensure_gemma4_demo  # noqa: E402
@@ -244,7 +246,7 @@ def test_each_utterance_gets_its_events_and_the_reference_transcript(server, hf,
 
 
 def test_without_the_parameter_no_user_event_is_sent(server, clips):
-    pcm, _ = compose([0.4, clips[1], 1.2], seed=22)
+    pcm, _ = compose([0.3, clips[1][:SAMPLE_RATE], 0.6], seed=22)
     wait_free(server)
 
     async def main():
@@ -331,6 +333,24 @@ def test_query_values():
         with pytest.raises(BadQuery, match="transcribe_language"):
             transcription_from_query({"transcribe": "1", "transcribe_language": bad})
     assert transcription_from_query({"transcribe": "1", "transcribe_language": "日本語"}).endswith("in 日本語.")
+
+
+# -------------------------------------------------------------------------------------------- duplexd chat
+
+
+def test_duplexd_chat_prints_the_users_captions(server, hf, clips, silero, tmp_path, capsys):
+    path = tmp_path / "talk.wav"
+    write_wav(path, compose([0.4, clips[1], 1.0], seed=26)[0])
+    wait_free(server)
+    args = ["chat", str(path), "--out", str(tmp_path / "answer.wav"), "--url", server.url, "--protocol", "kyutai"]
+    assert main([*args, "--transcribe"]) == 0
+    err = capsys.readouterr().err
+    # What the server decoded of the client's Ogg stream, through the reference.
+    [stop] = reference_stops(silero, decoded(ogg_messages(read_audio(path))))
+    text = hf[0].tokenizer.decode(generate(hf, stop.audio, MAX_NEW), skip_special_tokens=True)
+    assert f"[you {stop.start / SAMPLE_RATE:.2f}-{stop.t:.2f} s] {text}\n" in err, err
+    assert main([*args[:-1], "realtime", "--transcribe"]) == 2
+    assert "--transcribe needs --protocol kyutai" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ Kyutai's own Python client
