@@ -102,7 +102,8 @@ def _name(path: str) -> str:
 
 
 def metadata(ctx: ServerContext, pump: Pump) -> dict:
-    """What the Rust server announces before its handshake, plus the session's id, seed and length limit."""
+    """What the Rust server announces before its handshake, plus the session's id, seed and length limit, and
+    whether its user is transcribed."""
     params, info = pump.session.params, ctx.runtime.info
     return {
         "text_temperature": params.text_temperature,
