@@ -2,6 +2,7 @@
 
 The file is streamed at real-time pace (the server's clock is the listener's), or with `--fast` as quickly as the
 server answers: at most `window` frames ahead of its replies, so the server's bounded inbox never drops any.
+`--transcribe` (Kyutai protocol) also asks for the transcripts of what the file says and prints them as captions.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +35,7 @@ class ChatResult:
     info: dict = field(default_factory=dict)  # the server's session metadata
     close_code: int | None = None
     errors: list[str] = field(default_factory=list)
+    transcripts: list[dict] = field(default_factory=list)  # the server's JSON events about the input's speech
 
 
 async def chat(
@@ -44,16 +47,20 @@ async def chat(
     drain: float = 2.0,
     output_delay: int = 1,
     on_text: Callable[[str], None] | None = None,
+    on_transcript: Callable[[dict], None] | None = None,
 ) -> ChatResult:
     """Stream `pcm` (24 kHz mono) to the server and collect its answer. Raises `ConnectionFailed`/`Refused`.
 
     The answer is complete once `sent - output_delay` frames are back (Moshi's first input frame only fills
-    its acoustic delay) or nothing arrived for `drain` seconds."""
+    its acoustic delay) or nothing arrived for `drain` seconds; with `options.transcribe`, also once every
+    utterance the server heard start has its transcript (or failed), or none came for `drain` seconds."""
     conn = open_connection(options)
     await conn.open()
     chunks: list[np.ndarray] = []
     text: list[str] = []
     errors: list[str] = []
+    transcripts: list[dict] = []
+    speaking: set[object] = set()  # utterances started and not yet transcribed
     received = 0
     progress = asyncio.Event()
 
@@ -72,6 +79,16 @@ async def chat(
                     on_text(event.text)
             elif event.kind == "error":
                 errors.append(event.text)
+            elif event.kind == "transcript" and event.data is not None:
+                transcripts.append(event.data)
+                kind, item = event.data.get("type"), event.data.get("item")
+                if kind == "speech_started":
+                    speaking.add(item)
+                elif kind in ("transcript_completed", "transcript_failed"):
+                    speaking.discard(item)
+                progress.set()
+                if on_transcript:
+                    on_transcript(event.data)
 
     receiver = asyncio.create_task(receive())
     frame_list = split_frames(pcm)
@@ -100,6 +117,12 @@ async def chat(
                 await asyncio.wait_for(progress.wait(), drain)
             except asyncio.TimeoutError:
                 break
+        while speaking and not receiver.done():  # the last utterance's transcript comes after its audio
+            progress.clear()
+            try:
+                await asyncio.wait_for(progress.wait(), drain)
+            except asyncio.TimeoutError:
+                break
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(conn.close(), 2.0)
@@ -107,7 +130,19 @@ async def chat(
             await asyncio.wait_for(receiver, 2.0)
         receiver.cancel()
     out = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-    return ChatResult(out, "".join(text), sent, received, conn.info, conn.close_code, errors)
+    return ChatResult(out, "".join(text), sent, received, conn.info, conn.close_code, errors, transcripts)
+
+
+def caption(event: dict) -> str | None:
+    """A line for the user's speech: a transcript with its times, a failure, or why there are none."""
+    kind = event.get("type")
+    if kind == "transcript_completed":
+        return f"[you {event.get('start_s', 0):.2f}-{event.get('end_s', 0):.2f} s] {event.get('text', '')}"
+    if kind == "transcript_failed":
+        return f"[you, item {event.get('item')}: not transcribed: {event.get('reason')}]"
+    if kind == "transcription_unavailable":
+        return f"[{event.get('message')}]"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
     except InputError as e:
         print(f"duplexd chat: {e}", file=sys.stderr)
         return 2
-    options = connect_options(args)
+    if args.transcribe and args.protocol != "kyutai":
+        print("duplexd chat: --transcribe needs --protocol kyutai", file=sys.stderr)
+        return 2
+    options = dataclasses.replace(connect_options(args), transcribe=args.transcribe)
     mode = "as fast as the server answers" if args.fast else "at real-time pace"
     print(
         f"streaming {len(pcm) / SAMPLE_RATE:.1f} s of {args.input} to {options.url} ({options.protocol}) {mode}",
@@ -127,8 +165,15 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    def show_caption(event: dict) -> None:
+        line = caption(event)
+        if line:
+            print(f"\n{line}", file=sys.stderr)
+
     try:
-        result = asyncio.run(chat(pcm, options, fast=args.fast, drain=args.drain, on_text=show))
+        result = asyncio.run(
+            chat(pcm, options, fast=args.fast, drain=args.drain, on_text=show, on_transcript=show_caption)
+        )
     except ConnectionFailed as e:
         code = f" (close code {e.code})" if e.code else ""
         print(f"\nduplexd chat: {'refused' if code else 'failed'}: {e.message}{code}", file=sys.stderr)
@@ -158,5 +203,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-out", help="also write the model's text to this file")
     p.add_argument("--fast", action="store_true", help="do not pace: send as fast as the server answers")
     p.add_argument("--drain", type=float, default=2.0, help="seconds to wait for the last answers")
+    p.add_argument(
+        "--transcribe",
+        action="store_true",
+        help="also get transcripts of what the input says (server started with --transcribe; --protocol kyutai)",
+    )
     add_connection_args(p)
     p.set_defaults(func=run)

@@ -47,15 +47,18 @@ class ConnectOptions:
     api_key: str | None = None
     open_timeout: float = 30.0  # seconds for the upgrade and the handshake (the server may be busy)
     max_steps: int | None = None
+    transcribe: bool = False  # ask for the user's transcripts (Kyutai protocol: `transcribe=1`)
 
 
 @dataclass(frozen=True)
 class Event:
-    """Something the server sent: `audio` (float32 PCM, possibly empty), `text` (one piece), or `error`."""
+    """Something the server sent: `audio` (float32 PCM, possibly empty), `text` (one piece), `error`, or
+    `transcript` (`data`: one JSON event about the user's speech, e.g. `transcript_completed`)."""
 
     kind: str
     pcm: np.ndarray | None = None
     text: str = ""
+    data: dict | None = None
 
 
 class ConnectionFailed(Exception):
@@ -82,6 +85,8 @@ def endpoint(options: ConnectOptions) -> str:
     query = options.sampling.query()
     if options.max_steps is not None:
         query["max_steps"] = str(options.max_steps)
+    if options.transcribe:
+        query["transcribe"] = "1"
     extra = urlencode(query)
     joined = "&".join(q for q in (parts.query, extra) if q)
     return urlunsplit((scheme, parts.netloc, path, joined, ""))

@@ -1,7 +1,8 @@
 """The Kyutai `/api/chat` protocol from the client side: kind-byte messages, Ogg/Opus both ways via sphn.
 
 Accepts both handshakes (1 byte from the Python server, 9 from Rust/duplexd) and a metadata message before it,
-as a client compatible with both reference servers must.
+as a client compatible with both reference servers must. With `transcribe`, duplexd's JSON events about the
+user's speech come on the ping kind (`USER_EVENTS`); a ping without JSON is ignored, as Kyutai's clients do.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 import sphn
 
-from duplexd.wire import SAMPLE_RATE, Kind, decode, encode
+from duplexd.wire import SAMPLE_RATE, USER_EVENTS, Kind, decode, encode
 
 from .connection import Connection, ConnectOptions, Event
 
@@ -46,10 +47,21 @@ class KyutaiConnection(Connection):
             return [Event("text", text=msg.payload.decode("utf-8", "replace"))]
         if msg.kind == Kind.ERROR:
             return [Event("error", text=msg.payload.decode("utf-8", "replace"))]
+        if msg.kind == USER_EVENTS and msg.payload:
+            return _user_event(msg.payload)
         return []
 
     def encode(self, pcm: np.ndarray) -> bytes:
         return _audio(self._writer, pcm)
+
+
+def _user_event(payload: bytes) -> list[Event]:
+    try:
+        data = json.loads(payload.decode("utf-8"))
+    except ValueError:
+        logger.debug("ignoring a ping that is not a JSON event")
+        return []
+    return [Event("transcript", data=data)] if isinstance(data, dict) else []
 
 
 def _audio(writer: sphn.OpusStreamWriter, pcm: np.ndarray) -> bytes:

@@ -50,6 +50,13 @@ class Kind(IntEnum):
     COLORED_TEXT = 7
 
 
+# duplexd's opt-in JSON events about the user's speech (`/api/chat?transcribe=1`) ride on the ping kind, which
+# every Kyutai client ignores without harm: its web client decodes a ping without reading the payload and nothing
+# consumes it (a new kind byte would make its decoder throw); its Python and Rust clients log an unknown kind and
+# go on, as they do for the metadata every server sends. docs/CLIENTS.md has the survey.
+USER_EVENTS = Kind.PING
+
+
 class ProtocolError(ValueError):
     """A message that is not valid on the wire (empty, or an unknown kind byte)."""
 

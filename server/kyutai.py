@@ -4,6 +4,8 @@ Binary messages only: kind byte + payload. Audio is one continuous Ogg/Opus stre
 text is the model's raw piece per non-padding step. Sampling (repetition penalty and pad_mult included) comes
 from the Rust server's query parameters.
 Order on the wire: metadata (0x04 JSON), handshake (0x00) once admitted, then audio (0x01) and text (0x02).
+Opt-in (`?transcribe=1`): JSON events about what the user says (speech started/stopped, transcripts) on the ping
+kind (0x06), which Kyutai's own clients ignore; a server that cannot transcribe says so once and goes on.
 Kinds a client may send besides audio (handshake, control, ping, ...) are accepted and ignored, as the
 reference does; an unknown kind byte, a text frame or undecodable Ogg/Opus ends the connection with an
 error message (0x05) and a close code.
@@ -16,7 +18,10 @@ import logging
 import numpy as np
 from fastapi import APIRouter, WebSocket
 
+from duplexd.engine.config import SamplingParams
+from duplexd.engine.errors import CapacityError
 from duplexd.engine.session import SessionOutput
+from duplexd.engine.transcription import TranscriptEvent
 
 from . import protocol
 from .admission import serve
@@ -25,7 +30,7 @@ from .closing import Close, CloseCode
 from .context import Context, ServerContext
 from .opus import AudioError, OpusDecoder, OpusEncoder
 from .pump import Adapter, Pump
-from .query import max_frames_from_query, sampling_from_query
+from .query import max_frames_from_query, sampling_from_query, transcription_from_query
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -37,6 +42,24 @@ class KyutaiAdapter(Adapter):
     def __init__(self, ws: WebSocket, sample_rate: int) -> None:
         super().__init__(ws)
         self.decoder, self.encoder = OpusDecoder(sample_rate), OpusEncoder(sample_rate)
+        self.transcribe_prompt: str | None = None  # set from the query: the client asked for its transcripts
+
+    def parameters(self) -> tuple[SamplingParams, int | None]:
+        """The session's settings from the query string; `BadQuery` (close 1007) for a bad one."""
+        query = self.ws.query_params
+        self.transcribe_prompt = transcription_from_query(query)
+        return sampling_from_query(query), max_frames_from_query(query)
+
+    def start_transcribing(self, pump: Pump) -> str | None:
+        """Transcribe the user when asked to; why not (no transcriber, no free stream), or None."""
+        if self.transcribe_prompt is None:
+            return None
+        try:
+            pump.transcribe(self.transcribe_prompt)
+        except CapacityError as e:
+            logger.info("session %s: no transcription: %s", pump.session.id, e)
+            return f"transcription unavailable: {e}; the conversation goes on without it"
+        return None
 
     async def on_message(self, message: dict) -> np.ndarray | None:
         data = message.get("bytes")
@@ -69,6 +92,9 @@ class KyutaiAdapter(Adapter):
     async def send_error(self, close: Close) -> None:
         await self.send_bytes(protocol.error(close.message))
 
+    async def send_transcript(self, event: TranscriptEvent) -> None:
+        await self.send_bytes(protocol.transcript(event))
+
 
 def _name(path: str) -> str:
     """A weight file's name without the server's directories."""
@@ -76,7 +102,8 @@ def _name(path: str) -> str:
 
 
 def metadata(ctx: ServerContext, pump: Pump) -> dict:
-    """What the Rust server announces before its handshake, plus the session's id, seed and length limit."""
+    """What the Rust server announces before its handshake, plus the session's id, seed and length limit, and
+    whether its user is transcribed."""
     params, info = pump.session.params, ctx.runtime.info
     return {
         "text_temperature": params.text_temperature,
@@ -95,16 +122,19 @@ def metadata(ctx: ServerContext, pump: Pump) -> dict:
         "session_id": pump.session.id,
         "seed": params.seed,
         "max_steps": pump.session.max_frames,
+        "transcription": pump.transcript is not None,  # this session gets its user's transcripts (0x06 JSON)
     }
 
 
 @router.websocket("/api/chat")
 async def chat(ws: WebSocket, ctx: Context) -> None:
     adapter = KyutaiAdapter(ws, ctx.runtime.info.sample_rate)
-    query = ws.query_params
 
     async def greet(pump: Pump) -> None:
+        unavailable = adapter.start_transcribing(pump)  # first: the metadata says whether it is on
         await adapter.send_bytes(protocol.metadata(metadata(ctx, pump)))
         await adapter.send_bytes(protocol.handshake())
+        if unavailable:
+            await adapter.send_bytes(protocol.transcription_unavailable(unavailable))
 
-    await serve(ctx, adapter, None, lambda: (sampling_from_query(query), max_frames_from_query(query)), greet)
+    await serve(ctx, adapter, None, adapter.parameters, greet)

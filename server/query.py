@@ -1,17 +1,23 @@
-"""Session settings from a connection's query string, with the Rust server's parameter names."""
+"""Session settings from a connection's query string, with the Rust server's parameter names (and duplexd's own
+`transcribe` / `transcribe_language`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from duplexd.engine.config import ConfigError, SamplingParams
+from duplexd.engine.transcriber import DEFAULT_PROMPT
 
 FLOATS = ("text_temperature", "audio_temperature", "repetition_penalty", "pad_mult")
 INTS = ("text_topk", "audio_topk", "repetition_penalty_context")
 SEEDS = ("seed", "audio_seed", "text_seed")  # the engine has one seed per session: the first one given wins
+YES, NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+MAX_LANGUAGE = 40  # characters: a language's name, not a prompt
+LANGUAGE = re.compile(r"[^\W\d_]+(?:[ '-][^\W\d_]+)*")  # letters, words joined by a space, hyphen or apostrophe
 
 
 class BadQuery(ValueError):
@@ -49,6 +55,32 @@ def max_frames_from_query(query: Mapping[str, str]) -> int | None:
     if steps < 1:
         raise BadQuery("max_steps must be >= 1")
     return steps
+
+
+def transcription_from_query(query: Mapping[str, str]) -> str | None:
+    """The prompt to transcribe this session's user with, or None when not asked for: `transcribe=1` (also
+    true/yes/on; 0/false/no/off is off), and optionally `transcribe_language=NAME` (e.g. `French`) to name the
+    language instead of letting the model find it. Raises `BadQuery` naming the bad parameter."""
+    on = _flag("transcribe", query["transcribe"]) if "transcribe" in query else False
+    language = query.get("transcribe_language")
+    if language is None:
+        return DEFAULT_PROMPT if on else None
+    if not on:
+        raise BadQuery("query parameter transcribe_language needs transcribe=1")
+    language = language.strip()
+    if len(language) > MAX_LANGUAGE or not LANGUAGE.fullmatch(language):
+        raise BadQuery(
+            f"query parameter transcribe_language={language[:MAX_LANGUAGE]!r} is not a language name "
+            f"(letters, at most {MAX_LANGUAGE})"
+        )
+    return f"Transcribe the following speech segment in {language}."
+
+
+def _flag(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value not in YES + NO:
+        raise BadQuery(f"query parameter {name}={text!r} is not a boolean (1 or 0)")
+    return value in YES
 
 
 def _number(name: str, text: str, kind: type) -> float | int:
