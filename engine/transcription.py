@@ -56,7 +56,7 @@ class TranscriptionConfig:
 
 # ----------------------------------------------------------------------------------------------------- events
 # Times are seconds of the session's audio (since its first pushed sample); `item` numbers the utterances of a
-# stream from 0.
+# stream from 0. A `TranscriptFailed` for the next item, one that never began, says the transcriber itself failed.
 
 
 @dataclass(frozen=True)
@@ -261,6 +261,7 @@ class TranscriptionService:
         self._files: deque[_FileJob] = deque()
         self._queue: deque[_Utterance] = deque()
         self._stopping = False
+        self.failed: str | None = None  # why a thread died, if one did
         self._threads: list[threading.Thread] = []
         self._listeners: list[Callable[[str, float], None]] = []
 
@@ -303,7 +304,7 @@ class TranscriptionService:
         """A stream for one session, or `CapacityError` when all `max_streams` are in use. Non-blocking."""
         with self.lock:
             if self._stopping:
-                raise CapacityError("the transcriber is stopping")
+                raise CapacityError(self.failed or "the transcriber is stopping")
             free = next((s for s in range(self.config.max_streams) if s not in self._streams), None)
             if free is None:
                 raise CapacityError(f"all {self.config.max_streams} transcription streams are in use")
@@ -328,7 +329,7 @@ class TranscriptionService:
             return future
         with self.lock:
             if self._stopping:
-                raise CapacityError("the transcriber is stopping")
+                raise CapacityError(self.failed or "the transcriber is stopping")
             self._files.append(job)
             self._work.notify_all()
         return future
@@ -353,14 +354,28 @@ class TranscriptionService:
         torch.set_grad_enabled(False)
         try:
             loop()
-        except Exception:
+        except Exception as e:
             logger.exception("transcriber thread failed; transcription stops, the conversations go on")
-            with self.lock:
-                self._stopping = True
-                streams = list(self._streams.values())
-            for stream in streams:
-                with self.lock:
-                    stream.deliver(TranscriptFailed(stream.items, "the transcriber failed"))
+            self._fail_all(f"the transcriber failed: {type(e).__name__}: {e}")
+
+    def _fail_all(self, reason: str) -> None:
+        """After a thread died: every utterance in flight fails, every file job too, and no stream opens again."""
+        with self.lock:
+            self.failed, self._stopping = reason, True
+            self._work.notify_all()
+            self._decode_ready.notify_all()
+            pending = [u for u in self._queue if isinstance(u.owner, TranscriptStream)]
+            self._queue.clear()
+            running = [s.utterance for s in self._streams.values() if s.utterance is not None]
+            jobs, self._files = list(self._files), deque()
+            for u in pending + running:
+                assert isinstance(u.owner, TranscriptStream)
+                u.owner.deliver(TranscriptFailed(u.item, reason))
+            for stream in self._streams.values():  # an item that never began: the transcriber itself has failed
+                stream.deliver(TranscriptFailed(stream.items, reason))
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(CapacityError(reason))
 
     def _stream_loop(self) -> None:
         while True:
@@ -433,17 +448,16 @@ class TranscriptionService:
 
     def _ended(self, stream: TranscriptStream, event: SpeechStopped) -> None:
         u = stream.utterance
-        stream.utterance = None
         if u is None:  # its start was lost with dropped audio
             return
         u.end_s = self._time(stream, event.sample)
         u.stopped_at = time.monotonic()
         with self.lock:
             stream.deliver(SpeechEnded(u.item, u.end_s))
-        if u.slot is None:  # already failed
-            return
-        self._feed([(u, event.audio[u.fed :])])
-        self._finish_encoding(u)
+        if u.slot is not None:  # not failed already
+            self._feed([(u, event.audio[u.fed :])])
+            self._finish_encoding(u)
+        stream.utterance = None  # only now: until it is queued, a dying thread must still find it
 
     def _fail_running(self, stream: TranscriptStream, reason: str) -> None:
         u = stream.utterance

@@ -162,8 +162,12 @@ class Pump:
         self._relay = asyncio.create_task(self._relay_transcripts(self.transcript), name="ws-transcripts")
 
     def stop_transcribing(self) -> None:
+        """Stop transcribing; events the stream still held are not sent."""
+        if self._relay is not None:
+            self._relay.cancel()
+            self._relay = None
         if self.transcript is not None:
-            self.transcript.close()  # the relay sees the end
+            self.transcript.close()
             self.transcript = None
 
     async def _relay_transcripts(self, stream: TranscriptStream) -> None:
@@ -242,9 +246,10 @@ class Pump:
             else:  # when both ended, the reader's reason is the cause (the writer only saw the session end)
                 outcome = (tasks[0] if tasks[0] in done else next(iter(done))).exception()
         finally:
+            relay = self._relay
             self.stop_transcribing()
-            if self._relay is not None:
-                tasks.append(self._relay)
+            if relay is not None:
+                tasks.append(relay)
             for task in tasks:
                 task.cancel()
             for task in tasks:

@@ -281,3 +281,32 @@ def test_streams_run_out_and_closing_gives_them_back(folder, silero):
         c.close()
     finally:
         service.stop()
+
+
+class BrokenTranscriber(SpyTranscriber):
+    def feed_many(self, chunks):
+        raise RuntimeError("tower on fire")
+
+
+def test_a_dead_thread_fails_what_is_in_flight_and_refuses_new_work(folder, clips, silero):
+    from duplexd.engine.errors import CapacityError
+
+    pcm, _ = compose([0.5, clips[0], 0.8], seed=18)
+    service = make_service(folder, silero, BrokenTranscriber)
+    try:
+        stream = service.open_stream()
+        feed([(stream, pcm)])
+        events = [stream.get(60) for _ in range(4)]
+        assert [(type(e), e.item) for e in events] == [
+            (SpeechBegan, 0),
+            (SpeechEnded, 0),
+            (TranscriptFailed, 0),  # the utterance in flight
+            (TranscriptFailed, 1),  # one that never began: the transcriber itself failed
+        ]
+        assert all("tower on fire" in e.reason for e in events[2:])
+        with pytest.raises(CapacityError, match="tower on fire"):
+            service.open_stream()
+        with pytest.raises(CapacityError, match="tower on fire"):
+            service.transcribe(np.zeros(16_000, np.float32), [(0, 16_000)])
+    finally:
+        service.stop()
