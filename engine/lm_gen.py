@@ -34,10 +34,10 @@ UNGENERATED = -2
 
 @dataclass
 class StepOutput:
-    tokens: torch.Tensor  # [B, 1 + dep_q]: text, then audio codebooks; UNGENERATED where not valid
+    tokens: torch.Tensor  # [B, 1 + agent_codebooks]: text, then audio codebooks; UNGENERATED where not valid
     valid: torch.Tensor  # [B] bool: False while the slot is still warming up its delays
     text_logits: torch.Tensor | None = None  # [B, text_card], for the raw (unaligned) step
-    audio_logits: torch.Tensor | None = None  # [B, dep_q, card]
+    audio_logits: torch.Tensor | None = None  # [B, agent_codebooks, card]
 
 
 class LMGen:
@@ -150,7 +150,7 @@ class LMGen:
 
     @torch.no_grad()
     def step(self, slots: torch.Tensor, user_codes: torch.Tensor, return_logits: bool = False) -> StepOutput:
-        """Advance `slots` [B] (distinct) by one frame given the user's codes [B, >= n_q - dep_q]."""
+        """Advance `slots` [B] (distinct) by one frame given the user's codes [B, >= num_user_codebooks]."""
         cfg, ring, ct = self.cfg, self.ring, self.ring_size
         n_user = cfg.num_user_codebooks
         if user_codes.dim() != 2 or user_codes.shape[0] != len(slots) or user_codes.shape[1] < n_user:
@@ -159,7 +159,7 @@ class LMGen:
         offsets = self.offsets[slots]
         rows = slots[:, None]
 
-        user_streams = torch.arange(cfg.dep_q + 1, cfg.num_codebooks, device=slots.device)
+        user_streams = torch.arange(cfg.agent_codebooks + 1, cfg.num_codebooks, device=slots.device)
         write_at = (offsets[:, None] + self.delays[user_streams]) % ct
         ring[rows, user_streams[None, :], write_at] = user_codes[:, :n_user].to(ring.dtype)
 
@@ -186,7 +186,7 @@ class LMGen:
         offsets = offsets + 1
         self.offsets[slots] = offsets
         generated = torch.cat([text[:, None], audio], dim=1)
-        gen_streams = torch.arange(cfg.dep_q + 1, device=slots.device)
+        gen_streams = torch.arange(cfg.agent_codebooks + 1, device=slots.device)
         ring[rows, gen_streams[None, :], (offsets % ct)[:, None]] = generated
 
         read_at = (offsets[:, None] - cfg.max_delay + self.delays[gen_streams][None, :]) % ct

@@ -31,7 +31,7 @@ class FrameOutput:
     """One step's outputs, on the pipeline's device; views that the next step overwrites."""
 
     pcm: torch.Tensor  # [B, frame_size] model speech; zeros where not valid
-    tokens: torch.Tensor  # [B, 1 + dep_q] text token then audio codes (UNGENERATED where not valid)
+    tokens: torch.Tensor  # [B, 1 + agent_codebooks] text token then audio codes (UNGENERATED where not valid)
     valid: list[bool]  # False while the slot warms up (its first frame)
 
 
@@ -103,7 +103,7 @@ class Pipeline:
         self._frame.capture("capturing frame graphs", pool)
 
     def frame(self, rows: Rows, decode_rows: Rows, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device work of one frame: (speech [B, frame_size], tokens [B, 1 + dep_q]).
+        """The device work of one frame: (speech [B, frame_size], tokens [B, 1 + agent_codebooks]).
 
         `rows` are the slots stepped; `decode_rows` the same slots, or the scratch slot for a row with no output
         yet, whose codes are UNGENERATED: decoding it into its own slot would advance that slot's decoder."""
