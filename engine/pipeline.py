@@ -24,6 +24,7 @@ from .kv_cache import PagedKVCache
 from .lm_gen import LMGen
 from .models.lm import LMModel
 from .models.mimi import MimiModel, MimiStreams, Rows
+from .persona import PersonaPrompt
 
 
 @dataclass
@@ -82,6 +83,11 @@ class Pipeline:
         self.lm_gen.reset(slot, params)
         self.mimi.reset(slot)
         self._positions[slot] = 0
+
+    def prompt(self, slot: int, prompt: PersonaPrompt) -> None:
+        """Run a PersonaPlex prompt in `slot` right after its reset (see `LMGen.prompt`); its next step is live."""
+        self.lm_gen.prompt(slot, prompt)
+        self._positions[slot] = prompt.forwards
 
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
         """Sampling of `slot` from its next step on; its conversation goes on where it is."""

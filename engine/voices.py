@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ import torch
 from .config import LMConfig
 from .errors import InputRefused
 from .models.mimi import MimiModel, MimiStreams, Rows
-from .persona import REFERENCE_RING, SINE_CODES, TARGET_LUFS, TEXT_PAD
+from .persona import REFERENCE_RING, SINE_CODES, TARGET_LUFS, TEXT_PAD, Voice
 
 logger = logging.getLogger(__name__)
 
@@ -39,23 +38,6 @@ MAX_SECONDS = 60.0  # a voice is a few seconds; a long file is a mistake, and it
 
 class VoiceError(InputRefused):
     """A voice that cannot be used: unknown, unreadable, or not in a format the model takes."""
-
-
-@dataclass(frozen=True)
-class Voice:
-    """One voice, ready for a prompt. Exactly one of `codes` (an audio voice) and `embeddings` + `cache` (a preset)
-    is set."""
-
-    name: str
-    source: Path
-    frames: int  # V: the voice phase's frames
-    codes: torch.Tensor | None = None  # [V, agent_codebooks] long
-    embeddings: torch.Tensor | None = None  # [V - 1, dim]: the input rows of the voice phase's forwards
-    cache: torch.Tensor | None = None  # [num_codebooks, max_delay + REFERENCE_RING] long: the ring after it
-
-    @property
-    def is_preset(self) -> bool:
-        return self.embeddings is not None
 
 
 # --------------------------------------------------------------------------------------------------- presets

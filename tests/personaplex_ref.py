@@ -39,6 +39,7 @@ class Call:
     offset: int
     input: list[int] | int | None
     output: list[int] | None = None
+    text_logits: torch.Tensor | None = None  # with an oracle
 
 
 class Oracle:
@@ -143,10 +144,10 @@ class ReferenceSession:
         self.offset += 1
         return out
 
-    def _forward(self, x: torch.Tensor | None, target: list[int | None]) -> tuple[int, list[int]]:
+    def _forward(self, call: Call, x: torch.Tensor | None, target: list[int | None]) -> tuple[int, list[int]]:
         if self.oracle is None:  # rules only: no model, the sampled values are placeholders that are never read
             return -7, [-7] * self.cfg.dep_q
-        text, audio, _ = self.oracle.forward(x, target)
+        text, audio, call.text_logits = self.oracle.forward(x, target)
         return text, audio
 
     def step(self, text: int | None, agent: Sequence[int] | None, user: Sequence[int] | None) -> Call:
@@ -161,7 +162,7 @@ class ReferenceSession:
                 x = self.oracle.embed(column)
                 if self.keep_embeddings:
                     self.embeddings.append(x.detach().clone())
-            call.output = self._finish(*self._forward(x, target), src, dst)
+            call.output = self._finish(*self._forward(call, x, target), src, dst)
         self.calls.append(call)
         return call
 
@@ -177,7 +178,7 @@ class ReferenceSession:
             self.calls.append(call)
         _, target, src, dst = prepared
         call.input = index
-        call.output = self._finish(*self._forward(x, target), src, dst)
+        call.output = self._finish(*self._forward(call, x, target), src, dst)
         self.calls.append(call)
         return call
 
