@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,25 +38,38 @@ NAMINGS = ("module", "fused")
 class KeyMap:
     """One checkpoint tensor: its key, shape, and where it lands (a parameter, or one step of it).
 
-    Projection weights are [out, in] in the checkpoint and [in, out] in duplexd (`transposed`).
+    Projection weights are [out, in] in the checkpoint and [in, out] in duplexd (`transposed`). `param` None: the
+    tensor is checked but not loaded (PersonaPlex's DepFormer steps for the user's codebooks); `lead`: only the
+    tensor's first `lead` rows are loaded (the agent's steps of a fused DepFormer projection).
     """
 
     key: str
     shape: tuple[int, ...]
-    param: str
+    param: str | None
     index: int | None = None
     transposed: bool = False
+    lead: int | None = None
 
 
-def _linear(key: str, shape: tuple[int, int], param: str, index: int | None = None) -> KeyMap:
+def _linear(key: str, shape: tuple[int, int], param: str | None, index: int | None = None) -> KeyMap:
     return KeyMap(key, shape, param, index, transposed=True)
 
 
-def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
-    """Every tensor of a reference LM checkpoint in the given naming, in the reference's key order."""
+def key_map(cfg: LMConfig, naming: str, sets: int | None = None) -> list[KeyMap]:
+    """Every tensor of a reference LM checkpoint in the given naming, in the reference's key order.
+
+    `sets`: DepFormer weight sets in the file (default `dep_q`). Steps past the agent's codebooks are checked
+    but not loaded (`LMConfig.predicts_user_audio`).
+    """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {NAMINGS}")
-    d, dd, q, card = cfg.dim, cfg.depformer_dim, cfg.dep_q, cfg.card
+    d, dd, card = cfg.dim, cfg.depformer_dim, cfg.card
+    q = cfg.dep_q if sets is None else sets
+    run = cfg.agent_codebooks
+
+    def step(param: str, k: int, steps: int = run) -> str | None:
+        return param if k < steps else None
+
     rows: list[KeyMap] = [KeyMap(f"emb.{k}.weight", (card + 1, d), "audio_emb", k) for k in range(cfg.n_q)]
     rows += [
         KeyMap("text_emb.weight", (cfg.text_card + 1, d), "text_emb"),
@@ -81,10 +96,13 @@ def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
             _linear(pre + "gating.linear_out.weight", (d, cfg.hidden), dst + "w_out"),
         ]
     rows.append(KeyMap("out_norm.alpha", (1, 1, d), "out_norm"))
-    rows += [_linear(f"depformer_in.{k}.weight", (dd, d), "dep_in", k) for k in range(q)]
-    rows += [KeyMap(f"depformer_emb.{k}.weight", (card + 1, dd), "dep_audio_emb", k) for k in range(q - 1)]
+    rows += [_linear(f"depformer_in.{k}.weight", (dd, d), step("dep_in", k), k) for k in range(q)]
+    rows += [
+        KeyMap(f"depformer_emb.{k}.weight", (card + 1, dd), step("dep_audio_emb", k, run - 1), k) for k in range(q - 1)
+    ]
     rows.append(KeyMap("depformer_text_emb.weight", (cfg.text_card + 1, dd), "dep_text_emb"))
     hid = cfg.depformer_hidden
+    lead = run if q > run else None
     for i in range(cfg.depformer_num_layers):
         pre, dst = f"depformer.layers.{i}.", f"dep_layers.{i}."
         rows += [
@@ -92,24 +110,42 @@ def key_map(cfg: LMConfig, naming: str) -> list[KeyMap]:
             KeyMap(pre + "norm2.alpha", (1, 1, dd), dst + "mlp_norm"),
         ]
         if naming == "module":
-            rows += [_linear(pre + f"self_attn.in_projs.{k}.weight", (3 * dd, dd), dst + "wqkv", k) for k in range(q)]
-            rows += [_linear(pre + f"self_attn.out_projs.{k}.weight", (dd, dd), dst + "wo", k) for k in range(q)]
+            rows += [
+                _linear(pre + f"self_attn.in_projs.{k}.weight", (3 * dd, dd), step(dst + "wqkv", k), k)
+                for k in range(q)
+            ]
+            rows += [
+                _linear(pre + f"self_attn.out_projs.{k}.weight", (dd, dd), step(dst + "wo", k), k) for k in range(q)
+            ]
         else:
             rows += [
-                _linear(pre + "self_attn.in_proj_weight", (q * 3 * dd, dd), dst + "wqkv"),
-                _linear(pre + "self_attn.out_proj.weight", (q * dd, dd), dst + "wo"),
+                KeyMap(
+                    pre + "self_attn.in_proj_weight", (q * 3 * dd, dd), dst + "wqkv", None, True, lead and lead * 3 * dd
+                ),
+                KeyMap(pre + "self_attn.out_proj.weight", (q * dd, dd), dst + "wo", None, True, lead and lead * dd),
             ]
         for k in range(q):
             rows += [
-                _linear(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), dst + "w_in", k),
-                _linear(pre + f"gating.{k}.linear_out.weight", (dd, hid), dst + "w_out", k),
+                _linear(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), step(dst + "w_in", k), k),
+                _linear(pre + f"gating.{k}.linear_out.weight", (dd, hid), step(dst + "w_out", k), k),
             ]
-    rows += [_linear(f"linears.{k}.weight", (card, dd), "dep_heads", k) for k in range(q)]
+    rows += [_linear(f"linears.{k}.weight", (card, dd), step("dep_heads", k), k) for k in range(q)]
     return rows
+
+
+def depformer_sets(keys: set[str] | list[str]) -> int:
+    """How many DepFormer weight sets a reference LM checkpoint holds (by its highest `linears.k` or
+    `depformer_in.k`, so a missing key is reported as missing): 8 for Moshi, 16 for PersonaPlex as released."""
+    found = [int(m.group(2)) for key in keys if (m := _SET_KEY.fullmatch(key))]
+    return max(found) + 1 if found else 0
+
+
+_SET_KEY = re.compile(r"(linears|depformer_in)\.(\d+)\.weight")
 
 
 def _target(params: dict[str, torch.Tensor], row: KeyMap) -> torch.Tensor:
     """The parameter slice a checkpoint tensor fills, as a view in the checkpoint's orientation."""
+    assert row.param is not None
     p = params[row.param]
     p = p if row.index is None else p[row.index]
     return p.transpose(-1, -2) if row.transposed else p
@@ -163,28 +199,68 @@ def load_mapped(
                     f"{path}: shape mismatch for {key}: expected {list(row.shape)}, got {list(shape)}"
                 )
         for key, row in expected.items():
+            if row.param is None:
+                continue
             try:
                 tensor = f.get_tensor(original[key])
             except SafetensorError as e:
                 raise CheckpointError(f"{path}: cannot read {key} (truncated or corrupt file?): {e}") from None
             target = _target(tensors, row)
-            target.copy_(tensor.view(target.shape))
+            target.copy_((tensor if row.lead is None else tensor[: row.lead]).view(target.shape))
     return naming
 
 
 def save_mapped(tensors: dict[str, torch.Tensor], rows: list[KeyMap], path: str | Path) -> None:
-    """Write `tensors` under their reference keys (the inverse of `load_mapped`)."""
+    """Write `tensors` under their reference keys (the inverse of `load_mapped`); rows that are not loaded
+    cannot be written."""
+    if any(row.param is None or row.lead is not None for row in rows):
+        raise ValueError("the key map has rows that duplexd does not hold")
     save_file({row.key: _target(tensors, row).reshape(row.shape).contiguous() for row in rows}, str(path))
+
+
+def _header_keys(path: Path) -> set[str]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+
+
+def checked_sets(cfg: LMConfig, path: Path, keys: set[str]) -> int:
+    """The DepFormer weight sets of the file at `path`, checked against `cfg`. A PersonaPlex checkpoint
+    (dep_q = n_q) may hold only the agent's sets: the reference then copies them for the user's steps, which
+    duplexd does not run (`LMConfig.predicts_user_audio`). Raises `CheckpointError`."""
+    sets = depformer_sets(keys)
+    if sets == cfg.dep_q:
+        return sets
+    if cfg.predicts_user_audio and sets == cfg.agent_codebooks:
+        logger.info(
+            "%s holds %d DepFormer weight sets of %d: the user's steps (which the reference copies from the agent's) "
+            "only predict the user's codebooks, which are always forced; duplexd does not run them",
+            path,
+            sets,
+            cfg.dep_q,
+        )
+        return sets
+    if sets == cfg.n_q and cfg.dep_q < cfg.n_q:
+        raise CheckpointError(
+            f"{path} holds {sets} DepFormer weight sets (a PersonaPlex checkpoint) but its config says dep_q="
+            f"{cfg.dep_q}; pass a config with dep_q={sets}, or none (an empty config.json is read from the checkpoint)"
+        )
+    expected = f"{cfg.dep_q}" + (f" or {cfg.agent_codebooks}" if cfg.predicts_user_audio else "")
+    raise CheckpointError(f"{path} holds {sets} DepFormer weight sets (linears.k heads), the config expects {expected}")
 
 
 def load_lm_weights(model: LMModel, path: Path) -> str:
     """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`."""
-    return load_mapped(dict(model.named_parameters()), path, lambda naming: key_map(model.cfg, naming))
+    sets = checked_sets(model.cfg, path, _header_keys(path))
+    return load_mapped(dict(model.named_parameters()), path, lambda naming: key_map(model.cfg, naming, sets))
 
 
 def save_lm_weights(model: LMModel, path: str | Path, naming: str = "fused") -> None:
-    """Write `model` as a reference-format LM checkpoint (loadable by `moshi` and by duplexd)."""
-    save_mapped(dict(model.named_parameters()), key_map(model.cfg, naming), path)
+    """Write `model` as a reference-format LM checkpoint (loadable by `moshi` and by duplexd). A PersonaPlex
+    model is written with the agent's DepFormer sets only, the ones it holds."""
+    save_mapped(dict(model.named_parameters()), key_map(model.cfg, naming, model.cfg.agent_codebooks), path)
 
 
 def build_lm(cfg: LMConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LMModel:
@@ -194,8 +270,7 @@ def build_lm(cfg: LMConfig, device: torch.device | str = "cpu", dtype: torch.dty
     return model.to(dtype).to_empty(device=device).eval()
 
 
-def read_lm_config(path: str | Path) -> LMConfig:
-    """A reference `config.json` as an `LMConfig`; `CheckpointError` naming the file when it cannot be used."""
+def _read_config_json(path: str | Path) -> dict[str, Any]:
     try:
         raw = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -204,29 +279,55 @@ def read_lm_config(path: str | Path) -> LMConfig:
         raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: must hold a JSON object of LM settings")
+    return raw
+
+
+def _config_from(raw: dict[str, Any], path: str | Path) -> LMConfig:
     try:
         return lm_config_from_dict(raw)
     except ConfigError as e:
         raise CheckpointError(f"{path}: bad config: {e}") from None
 
 
+def read_lm_config(path: str | Path) -> LMConfig:
+    """A reference `config.json` as an `LMConfig`; `CheckpointError` naming the file when it cannot be used."""
+    return _config_from(_read_config_json(path), path)
+
+
 def lm_config_for(weights: Path, config: LMConfig | str | Path | None, weights_ref: str) -> LMConfig:
     """The LM configuration: `config` itself, the `config.json` it names, the one beside the weights (or in their
-    hub repo), else Moshi 7B (as the reference does). Raises `CheckpointError`."""
+    hub repo), else Moshi 7B (as the reference does). Raises `CheckpointError`.
+
+    A config that does not state `dep_q` (none at all, or PersonaPlex's empty `config.json`) takes it from the
+    checkpoint: one DepFormer set per audio codebook (16) is PersonaPlex, whose DepFormer also predicts the user.
+    """
     if isinstance(config, LMConfig):
         return config
+    source: str | Path | None = None
     if config is not None:
-        return read_lm_config(resolve_file(config, CONFIG_NAME))
-    beside = weights.parent / CONFIG_NAME
-    if not beside.is_file() and (repo := hub_repo(weights_ref)) is not None:
-        try:
-            beside = hub_file(repo, CONFIG_NAME)
-        except CheckpointError as e:
-            logger.info("no config from hf://%s: %s", repo, e)
-    if beside.is_file():
-        return read_lm_config(beside)
-    logger.warning("no %s beside %s: assuming the Moshi 7B configuration", CONFIG_NAME, weights_ref)
-    return MOSHI_7B
+        source = resolve_file(config, CONFIG_NAME)
+    else:
+        beside = weights.parent / CONFIG_NAME
+        if not beside.is_file() and (repo := hub_repo(weights_ref)) is not None:
+            try:
+                beside = hub_file(repo, CONFIG_NAME)
+            except CheckpointError as e:
+                logger.info("no config from hf://%s: %s", repo, e)
+        if beside.is_file():
+            source = beside
+    if source is None:
+        logger.warning("no %s beside %s: assuming the Moshi 7B configuration", CONFIG_NAME, weights_ref)
+        raw: dict[str, Any] = {}
+    else:
+        raw = _read_config_json(source)
+    if "dep_q" not in raw:
+        n_q = int(raw.get("n_q", MOSHI_7B.n_q))
+        if depformer_sets(_header_keys(weights)) == n_q:
+            logger.info(
+                "%s holds one DepFormer set per audio codebook: a PersonaPlex checkpoint (dep_q=%d)", weights, n_q
+            )
+            raw = {**raw, "dep_q": n_q}
+    return _config_from(raw, source or weights)
 
 
 def load_lm(

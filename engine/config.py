@@ -58,7 +58,9 @@ class LMConfig:
             raise ConfigError(f"head dim {self.head_dim} must be even for RoPE")
         if not 0 < self.dep_q <= self.n_q:
             raise ConfigError(f"dep_q={self.dep_q} must be in 1..n_q={self.n_q}")
-        if self.n_q - self.dep_q > self.dep_q:
+        if self.predicts_user_audio and self.n_q % 2:
+            raise ConfigError(f"dep_q = n_q = {self.n_q} (PersonaPlex) needs an even n_q: half agent, half user")
+        if self.num_user_codebooks > self.agent_codebooks:
             raise ConfigError("more user codebooks than model codebooks is not supported")
         if self.context < 1:
             raise ConfigError("context must be positive")
@@ -89,9 +91,24 @@ class LMConfig:
         return max(self.delays)
 
     @property
+    def predicts_user_audio(self) -> bool:
+        """The DepFormer also predicts the user's codebooks (`dep_q == n_q`: PersonaPlex).
+
+        Those predictions are always replaced by the user's real codes, and the DepFormer is causal over its
+        steps, so they never change what the agent says: duplexd runs only the agent's steps. Such a model also
+        follows PersonaPlex's streaming rules (a persona prompt, and the user's audio read one frame later).
+        """
+        return self.dep_q == self.n_q
+
+    @property
+    def agent_codebooks(self) -> int:
+        """Audio codebooks the model speaks (8 for Moshi and PersonaPlex): the DepFormer steps duplexd runs."""
+        return self.n_q // 2 if self.predicts_user_audio else self.dep_q
+
+    @property
     def num_user_codebooks(self) -> int:
-        """User audio codebooks fed to the model (`n_q - dep_q`, 8 for Moshi)."""
-        return self.n_q - self.dep_q
+        """User audio codebooks fed to the model (8 for Moshi and PersonaPlex)."""
+        return self.n_q - self.agent_codebooks
 
     # Special token ids (reference `LMModel` properties).
     @property
@@ -196,6 +213,8 @@ def lm_config_from_dict(raw: dict[str, Any]) -> LMConfig:
 
 
 MOSHI_7B = LMConfig()
+# PersonaPlex 7B (`nvidia/personaplex-7b-v1`): Moshi 7B whose DepFormer also predicts the user's 8 codebooks.
+PERSONAPLEX_7B = dataclasses.replace(MOSHI_7B, dep_q=16)
 
 # Tiny, real architecture: several layers and heads, all 16 input codebooks, 8 DepFormer steps.
 # `text_card` is replaced by the demo tokenizer's vocabulary size when the demo is written.

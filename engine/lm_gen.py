@@ -14,6 +14,11 @@ position and KV pages nobody else reads.
 Text sampling applies each session's repetition penalty and pad_mult (the Rust server's knobs). Every slot keeps
 the last `MAX_REPETITION_CONTEXT` text tokens it sampled that were not special (padding, end of padding, text
 start), newest first, on the device: a step shifts the new token in with a `where`, no host look at its value.
+
+A PersonaPlex model (`LMConfig.predicts_user_audio`) follows its reference's rules: a session opens with a
+persona prompt (`prompt`: forced frames, one forward each, nothing sampled), and the user's codes for frame n go
+to column n + 1 + delay, so the model reads them one frame later than Moshi does. A forced mark on a ring entry
+keeps its value in place of the sampled one (the agent's delayed codebooks right after the prompt).
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ from duplexd.kernels.text_penalties import repetition_penalty
 from .config import MAX_REPETITION_CONTEXT, SamplingParams
 from .kv_cache import PagedKVCache, window_pages
 from .models.lm import LMModel
+from .persona import PersonaPrompt
 
 UNGENERATED = -2
 
 
 @dataclass
 class StepOutput:
-    tokens: torch.Tensor  # [B, 1 + dep_q]: text, then audio codebooks; UNGENERATED where not valid
+    tokens: torch.Tensor  # [B, 1 + agent_codebooks]: text, then audio codebooks; UNGENERATED where not valid
     valid: torch.Tensor  # [B] bool: False while the slot is still warming up its delays
     text_logits: torch.Tensor | None = None  # [B, text_card], for the raw (unaligned) step
-    audio_logits: torch.Tensor | None = None  # [B, dep_q, card]
+    audio_logits: torch.Tensor | None = None  # [B, agent_codebooks, card]
 
 
 class LMGen:
@@ -52,11 +58,16 @@ class LMGen:
         cfg = model.cfg
         device = model.text_emb.device
         self.model, self.cfg, self.num_slots = model, cfg, num_slots
-        self.ring_size = cfg.max_delay + 2
+        # PersonaPlex reads the user's audio one frame later than Moshi: its codes for frame n go to column
+        # n + 1 + delay (see `prompt`).
+        self.user_lag = 1 if cfg.predicts_user_audio else 0
+        self.ring_size = cfg.max_delay + 2 + self.user_lag
         self.scratch_slot = rows = num_slots
         rows += 1
         self.ring = torch.full((rows, cfg.num_codebooks, self.ring_size), UNGENERATED, device=device)
         self.offsets = torch.zeros(rows, dtype=torch.long, device=device)
+        # Generated streams whose value in a ring column is given rather than sampled (a prompt's last frame).
+        self.forced = torch.zeros(rows, cfg.agent_codebooks + 1, self.ring_size, dtype=torch.bool, device=device)
         if kv is None:
             kv = model.new_kv_cache(num_slots, num_slots * window_pages(cfg.context, page_size), page_size)
             for slot in range(num_slots):
@@ -84,6 +95,7 @@ class LMGen:
         """Start a new conversation in `slot` (its KV table row goes to the device now); other slots are
         untouched."""
         self.ring[slot] = UNGENERATED
+        self.forced[slot] = False
         self.offsets[slot] = 0
         self.text_history[slot] = -1
         self.kv.upload(slot)
@@ -150,7 +162,7 @@ class LMGen:
 
     @torch.no_grad()
     def step(self, slots: torch.Tensor, user_codes: torch.Tensor, return_logits: bool = False) -> StepOutput:
-        """Advance `slots` [B] (distinct) by one frame given the user's codes [B, >= n_q - dep_q]."""
+        """Advance `slots` [B] (distinct) by one frame given the user's codes [B, >= num_user_codebooks]."""
         cfg, ring, ct = self.cfg, self.ring, self.ring_size
         n_user = cfg.num_user_codebooks
         if user_codes.dim() != 2 or user_codes.shape[0] != len(slots) or user_codes.shape[1] < n_user:
@@ -159,8 +171,8 @@ class LMGen:
         offsets = self.offsets[slots]
         rows = slots[:, None]
 
-        user_streams = torch.arange(cfg.dep_q + 1, cfg.num_codebooks, device=slots.device)
-        write_at = (offsets[:, None] + self.delays[user_streams]) % ct
+        user_streams = torch.arange(cfg.agent_codebooks + 1, cfg.num_codebooks, device=slots.device)
+        write_at = (offsets[:, None] + self.user_lag + self.delays[user_streams]) % ct
         ring[rows, user_streams[None, :], write_at] = user_codes[:, :n_user].to(ring.dtype)
 
         column = ring[slots, :, :].gather(2, (offsets % ct)[:, None, None].expand(-1, cfg.num_codebooks, 1))[..., 0]
@@ -186,11 +198,47 @@ class LMGen:
         offsets = offsets + 1
         self.offsets[slots] = offsets
         generated = torch.cat([text[:, None], audio], dim=1)
-        gen_streams = torch.arange(cfg.dep_q + 1, device=slots.device)
-        ring[rows, gen_streams[None, :], (offsets % ct)[:, None]] = generated
+        gen_streams = torch.arange(cfg.agent_codebooks + 1, device=slots.device)
+        target = (offsets % ct)[:, None]
+        forced = self.forced[rows, gen_streams[None, :], target]
+        generated = torch.where(forced, ring[rows, gen_streams[None, :], target], generated)
+        self.forced[rows, gen_streams[None, :], target] = False
+        ring[rows, gen_streams[None, :], target] = generated
 
         read_at = (offsets[:, None] - cfg.max_delay + self.delays[gen_streams][None, :]) % ct
         out = ring[rows, gen_streams[None, :], read_at]
         valid = offsets > cfg.max_delay
         out = out.masked_fill(~valid[:, None], UNGENERATED)
         return StepOutput(out, valid, text_logits, audio_logits)
+
+    @torch.no_grad()
+    def prompt(self, slot: int, prompt: PersonaPrompt) -> None:
+        """Run a PersonaPlex prompt in `slot` (just reset), one forward per frame, and leave the slot where the
+        reference's LMGen is after it: P - 1 forwards done (the first prompt frame has none), the ring holding the
+        prompt's last columns with the agent's delayed codebooks of the next column forced. Nothing is sampled:
+        every token the prompt's steps would sample is given, and the outputs are never sent.
+
+        The next `step` is the first live frame; its output is padding and silence, as the reference's.
+        """
+        cfg, ct = self.cfg, self.ring_size
+        if not cfg.predicts_user_audio:
+            raise ValueError("a persona prompt needs a PersonaPlex model (dep_q = n_q)")
+        device = self.offsets.device
+        slots = torch.tensor([slot], device=device)
+        dtype = self.model.text_emb.dtype
+        stored = 0 if prompt.embeddings is None else len(prompt.embeddings)
+        for j in range(prompt.forwards):
+            if prompt.embeddings is not None and j < stored:
+                x = prompt.embeddings[j : j + 1].to(device=device, dtype=dtype)
+            else:
+                x = self.model.embed(prompt.columns[j - stored : j - stored + 1].to(device))
+            positions = torch.tensor([j], device=device)
+            self.model.forward_embeddings(x, positions, self.kv, self.kv.batch(slots, positions))
+        last = prompt.forwards  # column P - 1: the first live input
+        self.ring[slot] = UNGENERATED
+        self.ring[slot, :, last % ct] = prompt.tail[0].to(device)
+        self.ring[slot, :, (last + 1) % ct] = prompt.tail[1].to(device)
+        delayed = self.delays[: cfg.agent_codebooks + 1] > 0
+        self.forced[slot] = False
+        self.forced[slot, :, (last + 1) % ct] = delayed
+        self.offsets[slot] = last

@@ -24,6 +24,7 @@ from .kv_cache import PagedKVCache
 from .lm_gen import LMGen
 from .models.lm import LMModel
 from .models.mimi import MimiModel, MimiStreams, Rows
+from .persona import PersonaPrompt
 
 
 @dataclass
@@ -31,7 +32,7 @@ class FrameOutput:
     """One step's outputs, on the pipeline's device; views that the next step overwrites."""
 
     pcm: torch.Tensor  # [B, frame_size] model speech; zeros where not valid
-    tokens: torch.Tensor  # [B, 1 + dep_q] text token then audio codes (UNGENERATED where not valid)
+    tokens: torch.Tensor  # [B, 1 + agent_codebooks] text token then audio codes (UNGENERATED where not valid)
     valid: list[bool]  # False while the slot warms up (its first frame)
 
 
@@ -83,6 +84,11 @@ class Pipeline:
         self.mimi.reset(slot)
         self._positions[slot] = 0
 
+    def prompt(self, slot: int, prompt: PersonaPrompt) -> None:
+        """Run a PersonaPlex prompt in `slot` right after its reset (see `LMGen.prompt`); its next step is live."""
+        self.lm_gen.prompt(slot, prompt)
+        self._positions[slot] = prompt.forwards
+
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
         """Sampling of `slot` from its next step on; its conversation goes on where it is."""
         self.lm_gen.set_sampling(slot, params)
@@ -103,7 +109,7 @@ class Pipeline:
         self._frame.capture("capturing frame graphs", pool)
 
     def frame(self, rows: Rows, decode_rows: Rows, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device work of one frame: (speech [B, frame_size], tokens [B, 1 + dep_q]).
+        """The device work of one frame: (speech [B, frame_size], tokens [B, 1 + agent_codebooks]).
 
         `rows` are the slots stepped; `decode_rows` the same slots, or the scratch slot for a row with no output
         yet, whose codes are UNGENERATED: decoding it into its own slot would advance that slot's decoder."""

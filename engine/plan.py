@@ -29,7 +29,7 @@ class StepResult:
     """Row i answers `plan.slots[i]`; all empty when the step failed (`error`) or the plan had no batch."""
 
     pcm: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [B, frame_size]
-    tokens: list[list[int]] = field(default_factory=list)  # [B][1 + dep_q]: text token, then audio codes
+    tokens: list[list[int]] = field(default_factory=list)  # [B][1 + agent_codebooks]: text token, then audio codes
     texts: list[str] = field(default_factory=list)  # the text token's piece ("" for padding)
     valid: list[bool] = field(default_factory=list)  # False while a slot warms up: no output for that row
     bucket: int = 0  # the batch size the step ran at

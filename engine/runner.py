@@ -27,9 +27,9 @@ class Runner:
         self.pipeline, self.kv, self.tokenizer, self.silent = pipeline, kv, tokenizer, silent
         device = pipeline.device
         pin = device.type == "cuda"
-        rows, dep_q = pipeline.num_slots, pipeline.lm_gen.cfg.dep_q
+        rows, agent = pipeline.num_slots, pipeline.lm_gen.cfg.agent_codebooks
         self._host_pcm = torch.zeros(rows, pipeline.frame_size, pin_memory=pin)
-        self._host_tokens = torch.zeros(rows, 1 + dep_q, dtype=torch.long, pin_memory=pin)
+        self._host_tokens = torch.zeros(rows, 1 + agent, dtype=torch.long, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
 
     def warm_up(self, slots: Sequence[int], graphs: bool) -> None:

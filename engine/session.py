@@ -32,7 +32,7 @@ class SessionOutput:
     pcm: np.ndarray  # float32 [frame_size]: the model's speech for this frame
     text_token: int
     text: str  # "" for padding tokens, else the token's text with "▁" as a space (what the reference sends)
-    audio_tokens: tuple[int, ...] = ()  # the model's audio codes for this frame (dep_q of them)
+    audio_tokens: tuple[int, ...] = ()  # the model's audio codes for this frame (agent_codebooks of them)
     arrival: float = 0.0  # time.monotonic() when the input frame of the step that produced this was pushed
 
 

@@ -52,7 +52,8 @@ class TemporalLayer(nn.Module):
 
 
 class DepformerLayer(nn.Module):
-    """DepFormer block; attention and MLP weights have a leading axis of `dep_q` steps, norms are shared."""
+    """DepFormer block; attention and MLP weights have a leading axis of steps (one per agent codebook), norms
+    are shared."""
 
     def __init__(self, steps: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -81,15 +82,17 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.T
 
 @dataclass
 class DepformerOutput:
-    tokens: torch.Tensor  # [B, dep_q] sampled audio tokens
-    logits: torch.Tensor | None  # [B, dep_q, card] when requested
+    tokens: torch.Tensor  # [B, agent_codebooks] sampled audio tokens
+    logits: torch.Tensor | None  # [B, agent_codebooks, card] when requested
 
 
 class LMModel(nn.Module):
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        d, dd, q = cfg.dim, cfg.depformer_dim, cfg.dep_q
+        # PersonaPlex's DepFormer steps past the agent's codebooks predict the user's, which are always replaced by
+        # the user's codes: they are not built (`LMConfig.predicts_user_audio`).
+        d, dd, q = cfg.dim, cfg.depformer_dim, cfg.agent_codebooks
         self.text_emb = _param(cfg.text_card + 1, d)
         self.audio_emb = _param(cfg.n_q, cfg.card + 1, d)
         self.layers = nn.ModuleList(TemporalLayer(d, cfg.hidden) for _ in range(cfg.num_layers))
@@ -131,9 +134,15 @@ class LMModel(nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One temporal step. Returns the post-`out_norm` hidden state [B, dim] and text logits [B, text_card]."""
+        return self.forward_embeddings(self.embed(tokens), positions, cache, view)
+
+    def forward_embeddings(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_text` from the summed input embeddings x [B, dim]: a PersonaPlex voice preset stores its
+        prompt's first frames as such sums, not as tokens."""
         cfg = self.cfg
         heads, dh = cfg.num_heads, cfg.head_dim
-        x = self.embed(tokens)
         cos, sin = rope_angles(positions, dh, cfg.max_period)
         layers = cast(Sequence[TemporalLayer], self.layers)
         last = len(layers) - 1
@@ -148,13 +157,13 @@ class LMModel(nn.Module):
         return h, matmul(h, self.text_head)
 
     def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
-        """Run the `dep_q` sub-steps; `sample(step, logits [B, card]) -> tokens [B]` picks each codebook.
+        """Run one sub-step per agent codebook; `sample(step, logits [B, card]) -> tokens [B]` picks each one.
 
         Sub-step k uses weight set k and attends to sub-steps 0..k; it is fed `dep_in[k](hidden)` plus the
         embedding of the token chosen just before it (the text token for k = 0).
         """
         cfg = self.cfg
-        q, heads, dh = cfg.dep_q, cfg.depformer_num_heads, cfg.depformer_head_dim
+        q, heads, dh = cfg.agent_codebooks, cfg.depformer_num_heads, cfg.depformer_head_dim
         batch = hidden.shape[0]
         kv = hidden.new_empty(len(self.dep_layers), 2, batch, heads, q, dh)
         prev = F.embedding(text_token, self.dep_text_emb)
