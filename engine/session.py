@@ -12,7 +12,6 @@ they happen.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
@@ -24,6 +23,7 @@ import numpy as np
 
 from .config import SamplingParams
 from .errors import SessionClosed
+from .mailbox import Mailbox
 
 
 @dataclass(frozen=True)
@@ -63,16 +63,10 @@ class Session:
         self.slot, self.params, self.max_frames = slot, params, max_frames
         self._host = host
         self._lock = host.lock
-        self._ready = threading.Condition(self._lock)
         self._partial = np.zeros(0, dtype=np.float32)
         self._inbox: deque[tuple[np.ndarray, float]] = deque()
-        self._outbox: deque[SessionOutput] = deque()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
-        try:
-            self._bind(asyncio.get_running_loop())
-        except RuntimeError:
-            pass
+        self._mailbox: Mailbox[SessionOutput] = Mailbox(self._lock, lambda: self.closed)
+        self._outbox = self._mailbox.items
         self.closed = False  # no more input: closed by the client or ended by the engine
         self.close_reason: str | None = None
         self.steps = 0
@@ -80,9 +74,6 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session({self.id}, slot={self.slot}, closed={self.closed})"
-
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop, self._event = loop, asyncio.Event()
 
     # ------------------------------------------------------------------------------------------- any thread
 
@@ -132,25 +123,11 @@ class Session:
 
     async def recv(self) -> SessionOutput | None:
         """The next output frame, or None once the session has ended and its outputs are all received."""
-        while True:
-            with self._lock:
-                if self._loop is None:
-                    self._bind(asyncio.get_running_loop())
-                if self._outbox:
-                    return self._outbox.popleft()
-                if self.closed:
-                    return None
-                event = self._event
-                assert event is not None  # bound above
-                event.clear()
-            await event.wait()
+        return await self._mailbox.recv()
 
     def get(self, timeout: float | None = None) -> SessionOutput | None:
         """Blocking `recv` for threads; `TimeoutError` when nothing arrives within `timeout` seconds."""
-        with self._lock:
-            if not self._ready.wait_for(lambda: self._outbox or self.closed, timeout):
-                raise TimeoutError(f"no output from session {self.id} within {timeout} s")
-            return self._outbox.popleft() if self._outbox else None
+        return self._mailbox.get(timeout, f"output from session {self.id}")
 
     @property
     def pending_frames(self) -> int:
@@ -179,7 +156,7 @@ class Session:
                 dropped = 1
             self._outbox.append(output)
             self.frames_out += 1
-            self._wake()
+            self._mailbox.wake()
         if self.max_frames is not None and self.steps >= self.max_frames and not self.closed:
             self.end("max_frames")
         return dropped
@@ -189,12 +166,4 @@ class Session:
         self.closed, self.close_reason = True, reason
         self._inbox.clear()
         self._host.session_ended(self)
-        self._wake()
-
-    def _wake(self) -> None:
-        self._ready.notify_all()
-        if self._loop is not None and self._event is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._event.set)
-            except RuntimeError:  # the loop has closed: nobody is waiting any more
-                pass
+        self._mailbox.wake()

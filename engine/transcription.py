@@ -21,7 +21,6 @@ stalls the live sessions' segmentation for long.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -36,6 +35,7 @@ import torch
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE
 
 from .errors import CapacityError
+from .mailbox import Mailbox
 from .transcriber import DEFAULT_PROMPT, MAX_SAMPLES, Transcriber
 from .vad import VAD_RATE, SpeechStarted, SpeechStopped, VadConfig, VadSegmenter
 
@@ -122,16 +122,9 @@ class TranscriptStream:
         self.slot, self.prompt = slot, prompt
         self._service = service
         self._lock = service.lock
-        self._ready = threading.Condition(self._lock)
         self._partial = np.zeros(0, np.float32)
         self._inbox: deque[np.ndarray] = deque()
-        self._events: deque[TranscriptEvent] = deque()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
-        try:
-            self._bind(asyncio.get_running_loop())
-        except RuntimeError:
-            pass
+        self._mailbox: Mailbox[TranscriptEvent] = Mailbox(self._lock, lambda: self.closed)
         self.closed = False
         self.dropped_frames = 0
         # Stream-thread state (read and written only there).
@@ -139,9 +132,6 @@ class TranscriptStream:
         self.skipped = 0  # 24 kHz samples dropped before the VAD (added to event times)
         self.items = 0
         self.utterance: _Utterance | None = None
-
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop, self._event = loop, asyncio.Event()
 
     def push(self, pcm: np.ndarray) -> None:
         """Queue 24 kHz mono float audio (any length). Never blocks; frames over the bound are dropped."""
@@ -164,25 +154,11 @@ class TranscriptStream:
 
     async def recv(self) -> TranscriptEvent | None:
         """The next event, or None once the stream is closed and its events are all received."""
-        while True:
-            with self._lock:
-                if self._loop is None:
-                    self._bind(asyncio.get_running_loop())
-                if self._events:
-                    return self._events.popleft()
-                if self.closed:
-                    return None
-                event = self._event
-                assert event is not None
-                event.clear()
-            await event.wait()
+        return await self._mailbox.recv()
 
     def get(self, timeout: float | None = None) -> TranscriptEvent | None:
         """Blocking `recv` for threads; `TimeoutError` when nothing arrives within `timeout` seconds."""
-        with self._lock:
-            if not self._ready.wait_for(lambda: self._events or self.closed, timeout):
-                raise TimeoutError(f"no transcription event within {timeout} s")
-            return self._events.popleft() if self._events else None
+        return self._mailbox.get(timeout, "transcription event")
 
     def close(self) -> None:
         with self._lock:
@@ -190,7 +166,7 @@ class TranscriptStream:
                 return
             self.closed = True
             self._inbox.clear()
-            self._wake()
+            self._mailbox.wake()
         self._service.closing(self)
 
     # -- service side (lock held)
@@ -202,16 +178,8 @@ class TranscriptStream:
 
     def deliver(self, event: TranscriptEvent) -> None:
         if not self.closed:
-            self._events.append(event)
-            self._wake()
-
-    def _wake(self) -> None:
-        self._ready.notify_all()
-        if self._loop is not None and self._event is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._event.set)
-            except RuntimeError:  # the loop has closed: nobody is waiting any more
-                pass
+            self._mailbox.items.append(event)
+            self._mailbox.wake()
 
 
 @dataclass
