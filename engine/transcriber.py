@@ -40,6 +40,33 @@ DEFAULT_PROMPT = "Transcribe the following speech segment in its original langua
 GEMMA_EXTRA = "the Gemma 4 transcriber needs transformers: pip install 'duplexd[gemma]'"
 
 
+# ISO-639-1 codes Gemma is asked for by name; another two-letter code is named as a code (`instruction`).
+LANGUAGES = {
+    "ar": "Arabic", "bg": "Bulgarian", "bn": "Bengali", "ca": "Catalan", "cs": "Czech", "da": "Danish",
+    "de": "German", "el": "Greek", "en": "English", "es": "Spanish", "et": "Estonian", "fa": "Persian",
+    "fi": "Finnish", "fr": "French", "he": "Hebrew", "hi": "Hindi", "hr": "Croatian", "hu": "Hungarian",
+    "id": "Indonesian", "it": "Italian", "ja": "Japanese", "ko": "Korean", "lt": "Lithuanian", "lv": "Latvian",
+    "ms": "Malay", "nl": "Dutch", "no": "Norwegian", "pl": "Polish", "pt": "Portuguese", "ro": "Romanian",
+    "ru": "Russian", "sk": "Slovak", "sl": "Slovenian", "sr": "Serbian", "sv": "Swedish", "sw": "Swahili",
+    "ta": "Tamil", "th": "Thai", "tr": "Turkish", "uk": "Ukrainian", "ur": "Urdu", "vi": "Vietnamese",
+    "zh": "Chinese",
+}  # fmt: skip
+
+
+def instruction(language: str | None = None, hint: str | None = None) -> str:
+    """The instruction that follows the audio, as OpenAI's `language` and `prompt` ask: `DEFAULT_PROMPT` (the
+    original language), or "Transcribe the following speech segment in <language>." for an ISO-639-1 code or a
+    language's name; a hint (words or context to expect) follows as "Hint: <hint>"."""
+    if not language:
+        text = DEFAULT_PROMPT
+    else:
+        code = language.strip().lower()
+        name = LANGUAGES.get(code) or (f"the language with ISO 639-1 code '{code}'" if len(code) == 2 else language)
+        text = f"Transcribe the following speech segment in {name.strip()}."
+    hint = (hint or "").strip()
+    return f"{text} Hint: {hint}" if hint else text
+
+
 def import_transformers() -> Any:
     """`transformers`, or a `CheckpointError` naming the extra that installs it."""
     try:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from duplexd.engine.config import ConfigError, SamplingParams
-from duplexd.engine.transcriber import DEFAULT_PROMPT
+from duplexd.engine.transcriber import DEFAULT_PROMPT, instruction
 
 FLOATS = ("text_temperature", "audio_temperature", "repetition_penalty", "pad_mult")
 INTS = ("text_topk", "audio_topk", "repetition_penalty_context")
@@ -73,7 +73,7 @@ def transcription_from_query(query: Mapping[str, str]) -> str | None:
             f"query parameter transcribe_language={language[:MAX_LANGUAGE]!r} is not a language name "
             f"(letters, at most {MAX_LANGUAGE})"
         )
-    return f"Transcribe the following speech segment in {language}."
+    return instruction(language)
 
 
 def _flag(name: str, text: str) -> bool:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from duplexd import wire
 from duplexd.engine.config import MAX_REPETITION_CONTEXT, SamplingParams
-from duplexd.engine.transcriber import DEFAULT_PROMPT
+from duplexd.engine.transcriber import instruction
 
 from .closing import Close, CloseCode
 
@@ -165,31 +165,9 @@ class RealtimeError(Exception):
         self.code, self.message, self.event_id, self.param = code, message, event_id, param
 
 
-# ISO-639-1 codes Gemma is asked for by name; another code is named as a code (`transcription_prompt`).
-LANGUAGES = {
-    "ar": "Arabic", "bg": "Bulgarian", "bn": "Bengali", "ca": "Catalan", "cs": "Czech", "da": "Danish",
-    "de": "German", "el": "Greek", "en": "English", "es": "Spanish", "et": "Estonian", "fa": "Persian",
-    "fi": "Finnish", "fr": "French", "he": "Hebrew", "hi": "Hindi", "hr": "Croatian", "hu": "Hungarian",
-    "id": "Indonesian", "it": "Italian", "ja": "Japanese", "ko": "Korean", "lt": "Lithuanian", "lv": "Latvian",
-    "ms": "Malay", "nl": "Dutch", "no": "Norwegian", "pl": "Polish", "pt": "Portuguese", "ro": "Romanian",
-    "ru": "Russian", "sk": "Slovak", "sl": "Slovenian", "sr": "Serbian", "sv": "Swedish", "sw": "Swahili",
-    "ta": "Tamil", "th": "Thai", "tr": "Turkish", "uk": "Ukrainian", "ur": "Urdu", "vi": "Vietnamese",
-    "zh": "Chinese",
-}  # fmt: skip
-
-
 def transcription_prompt(settings: TranscriptionSettings) -> str:
-    """The instruction Gemma gets after each utterance: `DEFAULT_PROMPT` (its original language), or "Transcribe
-    the following speech segment in <language>." when `language` is given; the client's `prompt` follows as
-    "Hint: <prompt>" (words or context to expect)."""
-    if settings.language is None:
-        text = DEFAULT_PROMPT
-    else:
-        code = settings.language.lower()
-        name = LANGUAGES.get(code, f"the language with ISO 639-1 code '{code}'")
-        text = f"Transcribe the following speech segment in {name}."
-    hint = (settings.prompt or "").strip()
-    return f"{text} Hint: {hint}" if hint else text
+    """The instruction Gemma gets after each utterance (`instruction`: language and hint)."""
+    return instruction(settings.language, settings.prompt)
 
 
 def new_id(prefix: str) -> str:

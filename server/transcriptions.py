@@ -1,9 +1,9 @@
 """`POST /v1/audio/transcriptions`: OpenAI's file transcription endpoint, served by the live transcriber.
 
 A multipart form as OpenAI's: `file` (required), `model` (any name: the transcriber `--transcribe` loaded answers,
-and says so in the `openai-model` header), `language` (echoed in `verbose_json`; the prompt already asks for the
-original language), `prompt` (replaces the instruction that follows the audio, as `duplexd transcribe --prompt`
-does), `response_format` (`json`, `text`, `verbose_json`, `srt`, `vtt`) and `temperature` (0 to 1, accepted and
+and says so in the `openai-model` header), `language` and `prompt` (the instruction that follows the audio, as on
+`/v1/realtime`: `engine.transcriber.instruction` names the language and appends the prompt as a hint),
+`response_format` (`json`, `text`, `verbose_json`, `srt`, `vtt`) and `temperature` (0 to 1, accepted and
 ignored: decoding is greedy, and `verbose_json` reports 0.0). Streaming and word timestamps are refused.
 
 The upload is decoded and split at pauses (`engine.file_transcription`) on a worker thread, then its utterances
@@ -42,7 +42,7 @@ from duplexd.engine.file_transcription import (
     text_body,
     verbose_body,
 )
-from duplexd.engine.transcriber import DEFAULT_PROMPT
+from duplexd.engine.transcriber import instruction
 from duplexd.engine.transcription import TranscriptionService
 from duplexd.engine.vad import VAD_RATE, load_silero
 
@@ -185,10 +185,10 @@ def _read_form(form: FormData) -> _Form:
     language = _field(form, "language") or ""
     if len(language) > MAX_LANGUAGE:
         raise ApiError(400, f"language: at most {MAX_LANGUAGE} characters", "invalid_value", "language")
-    prompt = _field(form, "prompt") or DEFAULT_PROMPT
-    if len(prompt) > MAX_PROMPT:
+    hint = _field(form, "prompt") or ""
+    if len(hint) > MAX_PROMPT:
         raise ApiError(400, f"prompt: at most {MAX_PROMPT} characters", "invalid_value", "prompt")
-    return _Form(upload, fmt, language or "unknown", prompt)
+    return _Form(upload, fmt, language or "unknown", instruction(language, hint))
 
 
 @router.post("/v1/audio/transcriptions")

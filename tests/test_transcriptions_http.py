@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from duplexd.engine.gemma4_demo import ensure_gemma4_demo  # noqa: E402
+from duplexd.engine.transcriber import DEFAULT_PROMPT  # noqa: E402
 from duplexd.engine.vad import VAD_RATE, VadConfig, load_silero, segments  # noqa: E402
 from duplexd.server.audio_upload import UploadError, decode  # noqa: E402
 
@@ -123,7 +124,7 @@ def wav_bytes(pcm: np.ndarray, rate: int, fmt: str = "WAV", subtype: str | None 
     return out.getvalue()
 
 
-def reference(hf, silero, path) -> list[tuple[float, float, list[int]]]:
+def reference(hf, silero, path, prompt: str = DEFAULT_PROMPT) -> list[tuple[float, float, list[int]]]:
     """(start, end, tokens) per utterance: the VAD on the decoded upload, `generate` from the pre-roll."""
     with open(path, "rb") as f:
         pcm = decode(f, MAX_SECONDS).pcm
@@ -131,7 +132,7 @@ def reference(hf, silero, path) -> list[tuple[float, float, list[int]]]:
     for start_s, end_s in segments(pcm, VAD_RATE, model=silero):
         start, end = round(start_s * VAD_RATE), round(end_s * VAD_RATE)
         audio_start = max(start - PREROLL, floor)
-        out.append((start_s, end_s, generate(hf, pcm[audio_start:end], MAX_NEW)))
+        out.append((start_s, end_s, generate(hf, pcm[audio_start:end], MAX_NEW, prompt)))
         floor = end
     return out
 
@@ -155,6 +156,13 @@ def test_verbose_json_equals_generate_on_each_vad_span(server, hf, silero, speec
     assert body["duration"] == pytest.approx(sf.info(path).duration, abs=1e-3)
     assert body["task"] == "transcribe" and [seg["id"] for seg in got] == [0, 1, 2]
     assert all(seg["temperature"] == 0.0 and seg["no_speech_prob"] == 0.0 for seg in got)
+    # OpenAI's `language` and `prompt` shape the instruction, as on /v1/realtime.
+    with open(path, "rb") as f:
+        data = {"response_format": "verbose_json", "language": "fr", "prompt": "kites, fox"}
+        shaped = post(server, files={"file": ("speech.wav", f, "audio/wav")}, data=data).json()["segments"]
+    prompt = "Transcribe the following speech segment in French. Hint: kites, fox"
+    assert [seg["tokens"] for seg in shaped] == [t for _, _, t in reference(hf, silero, path, prompt)]
+    assert [seg["tokens"] for seg in shaped] != [seg["tokens"] for seg in got]
 
 
 def test_the_openai_sdk_parses_the_answers(server, speech):
@@ -169,7 +177,7 @@ def test_the_openai_sdk_parses_the_answers(server, speech):
         text = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="text")
     assert isinstance(text, str) and text == verbose.text + "\n"
     with open(path, "rb") as f:
-        plain = client.audio.transcriptions.create(model="gpt-4o-transcribe", file=f, language="en", temperature=0.4)
+        plain = client.audio.transcriptions.create(model="gpt-4o-transcribe", file=f, temperature=0.4)
     assert isinstance(plain, openai.types.audio.Transcription) and plain.text == verbose.text
     with pytest.raises(openai.BadRequestError) as refused:
         client.audio.transcriptions.create(model="whisper-1", file=("notes.txt", b"not audio at all"))
