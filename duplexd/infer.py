@@ -61,9 +61,11 @@ def persona_prompt(
     args: argparse.Namespace, lm: LMModel, mimi: MimiModel, tokenizer: TextTokenizer
 ) -> PersonaPrompt | None:
     """The session's PersonaPlex prompt from --voice-prompt and --text-prompt (None without them)."""
-    if args.text_prompt is None:
-        return None
     cfg = lm.cfg
+    if args.text_prompt is None:
+        if cfg.predicts_user_audio:
+            logger.warning("a PersonaPlex model without --text-prompt and --voice-prompt: no persona prompt is run")
+        return None
     if not cfg.predicts_user_audio:
         raise InputRefused(
             "needs a PersonaPlex model (one predicting the user's audio too); this model takes no prompt",
