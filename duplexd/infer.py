@@ -17,10 +17,15 @@ from duplexd.clients.audio import read_audio
 from duplexd.engine.checkpoint import load_lm, load_mimi
 from duplexd.engine.config import MIMI_PRESETS, ConfigError, SamplingParams
 from duplexd.engine.devices import check_device
+from duplexd.engine.errors import InputRefused
 from duplexd.engine.hub import resolve_file
 from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_model_files, model_files
+from duplexd.engine.models.lm import LMModel
+from duplexd.engine.models.mimi import MimiModel
+from duplexd.engine.persona import PersonaPrompt, build_prompt, wrap_role_text
 from duplexd.engine.pipeline import Pipeline
 from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.engine.voices import VoiceError, load_voice
 from duplexd.wire import split_frames
 
 logger = logging.getLogger(__name__)
@@ -37,10 +42,55 @@ def check_paths(args: argparse.Namespace) -> None:
             raise InputError(f"{name} {path}: its directory does not exist")
 
 
+def check_prompt_options(args: argparse.Namespace) -> None:
+    """A persona prompt is a voice and a role text, given together; the text not empty, the voice file there."""
+    text, voice = args.text_prompt, args.voice_prompt
+    if text is None and voice is None:
+        return
+    if voice is None:
+        raise InputRefused("needs --voice-prompt too: a PersonaPlex prompt is a voice and a role text", "text_prompt")
+    if text is None:
+        raise InputRefused("needs --text-prompt too: a PersonaPlex prompt is a voice and a role text", "voice_prompt")
+    if not text.strip():
+        raise InputRefused("is empty", "text_prompt")
+    if not Path(voice).expanduser().is_file():
+        raise InputRefused(f"voice file not found: {voice}", "voice_prompt")
+
+
+def persona_prompt(
+    args: argparse.Namespace, lm: LMModel, mimi: MimiModel, tokenizer: TextTokenizer
+) -> PersonaPrompt | None:
+    """The session's PersonaPlex prompt from --voice-prompt and --text-prompt (None without them)."""
+    cfg = lm.cfg
+    if args.text_prompt is None:
+        if cfg.predicts_user_audio:
+            logger.warning("a PersonaPlex model without --text-prompt and --voice-prompt: no persona prompt is run")
+        return None
+    if not cfg.predicts_user_audio:
+        raise InputRefused(
+            "needs a PersonaPlex model (one predicting the user's audio too); this model takes no prompt",
+            "text_prompt",
+        )
+    try:
+        voice = load_voice(Path(args.voice_prompt).expanduser(), mimi, cfg)
+    except VoiceError as e:
+        raise InputRefused(str(e), "voice_prompt") from None
+    text_tokens = tokenizer.encode(wrap_role_text(args.text_prompt))
+    prompt = build_prompt(cfg, voice, text_tokens)
+    if prompt.calls > cfg.context:
+        raise InputRefused(
+            f"the prompt is {prompt.calls} frames ({voice.frames} of voice, {len(text_tokens)} text tokens and "
+            f"silence) but the model's context is {cfg.context} frames",
+            "text_prompt",
+        )
+    return prompt
+
+
 def prepare(args: argparse.Namespace) -> tuple[str, ModelFiles, SamplingParams]:
     """Every check that needs no model: the device, the input and output paths, sampling, the model files."""
     device = check_device(args.device)
     check_paths(args)
+    check_prompt_options(args)
     try:
         params = SamplingParams(args.temp_text, args.topk_text, args.temp, args.topk, args.seed)
     except ConfigError as e:
@@ -62,8 +112,12 @@ def run(args: argparse.Namespace) -> int:
     lm = load_lm(files.moshi, files.config, device=device, dtype=DTYPES[args.dtype])
     mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
     tokenizer = TextTokenizer(resolve_file(files.tokenizer, TOKENIZER_NAME))
+    prompt = persona_prompt(args, lm, mimi, tokenizer)
     pipeline = Pipeline(lm, mimi, num_slots=1)
     pipeline.reset(0, params)
+    if prompt is not None:  # forced frame by frame, outputs discarded: the JSONL and OUT start at the first live frame
+        pipeline.prompt(0, prompt)
+        logger.info("persona prompt: %d frames", prompt.calls)
 
     frame = pipeline.frame_size
     pcm = read_audio(args.input, mimi.cfg.sample_rate, min_samples=frame)
@@ -113,4 +167,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topk", type=int, default=250, help="audio top-k")
     p.add_argument("--topk-text", type=int, default=25, help="text top-k")
     p.add_argument("--tokens-out", help="write one JSON line per frame: frame, text token, 8 audio tokens")
+    p.add_argument("--text-prompt", help="PersonaPlex role text (wrapped in <system>); needs --voice-prompt")
+    p.add_argument(
+        "--voice-prompt", help="PersonaPlex voice: a .pt preset or a WAV/FLAC speech sample; needs --text-prompt"
+    )
     p.set_defaults(func=run)

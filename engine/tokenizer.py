@@ -34,6 +34,10 @@ class TextTokenizer:
         """The text of one token with the word-start marker turned into a space."""
         return self.sp.IdToPiece(int(token)).replace(WORD_START, " ")
 
+    def encode(self, text: str) -> list[int]:
+        """The token ids of `text`, with no BOS or EOS (as a prompt is fed to the LM)."""
+        return [int(t) for t in self.sp.EncodeAsIds(text)]
+
     def decode(self, tokens: Iterable[int]) -> str:
         return self.sp.Decode([int(t) for t in tokens])
 

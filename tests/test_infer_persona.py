@@ -1,0 +1,178 @@
+"""`duplexd infer --text-prompt T --voice-prompt V` on a tiny random PersonaPlex checkpoint, greedy: the
+--tokens-out JSONL from the first live frame on against the plain-Python statement of the reference's rules
+(`personaplex_ref`), with a `.pt` preset and with an audio voice; and each refusal of a bad prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+import soundfile as sf
+import torch
+from safetensors.torch import save_file
+
+from duplexd.cli import main
+from duplexd.engine.checkpoint import load_lm, load_mimi
+from duplexd.engine.tokenizer import TextTokenizer, train_tokenizer
+from duplexd.engine.voices import load_audio_voice
+from duplexd.infer import read_audio
+
+from .personaplex_files import PP_SMALL, write_personaplex
+from .personaplex_ref import Oracle, ReferenceSession, preset_from_codes
+from .ref_models import reference_mimi
+from .test_infer import FRAME, speech_like
+
+CFG = dataclasses.replace(PP_SMALL, text_card=400)  # a real tokenizer's vocabulary
+ROLE = "You are a wise and friendly teacher who answers questions about the weather."
+VOICE_CODES = torch.randint(0, CFG.card, (5, 8), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A PersonaPlex checkpoint, its Mimi and tokenizer, a user's input, a `.pt` preset and an audio voice."""
+    root = tmp_path_factory.mktemp("pp_infer")
+    corpus = resources.files("duplexd.engine").joinpath("data", "demo_corpus.txt").read_text().splitlines()
+    train_tokenizer(corpus, root / "tok.model", 400)
+    assert TextTokenizer(root / "tok.model").vocab_size == CFG.text_card
+    weights, ref_lm = write_personaplex(root, CFG, seed=4)
+    ref_mimi = reference_mimi(seed=12)
+    save_file({k: v.contiguous() for k, v in ref_mimi.state_dict().items()}, str(root / "mimi.safetensors"))
+    sf.write(root / "in.wav", speech_like(1.0, 24000, seed=3)[:, 0], 24000)
+    torch.save(preset_from_codes(CFG, ref_lm, VOICE_CODES), root / "voice.pt")
+    sf.write(root / "voice.wav", speech_like(0.6, 16000, seed=5), 16000)  # resampled, channel 0
+    return root, weights, ref_lm, ref_mimi
+
+
+def _args(root, weights, tmp_path, *extra: str, config=None) -> list[str]:
+    return [
+        "infer",
+        str(root / "in.wav"),
+        str(tmp_path / "out.wav"),
+        "--moshi-weight",
+        str(weights),
+        "--mimi-weight",
+        str(root / "mimi.safetensors"),
+        "--tokenizer",
+        str(root / "tok.model"),
+        "--config",
+        str(config or root / "config.json"),
+        "--temp",
+        "0",
+        "--temp-text",
+        "0",
+        "--tokens-out",
+        str(tmp_path / "tokens.jsonl"),
+        *extra,
+    ]
+
+
+def _infer(files, tmp_path, role: str, voice: str) -> list[dict]:
+    root, weights, _, _ = files
+    assert main(_args(root, weights, tmp_path, "--text-prompt", role, "--voice-prompt", str(root / voice))) == 0
+    return [json.loads(line) for line in (tmp_path / "tokens.jsonl").read_text().splitlines()]
+
+
+@torch.no_grad()
+def _user_codes(ref_mimi, root) -> list[list[int]]:
+    """The input file's codes, one frame at a time through the reference Mimi."""
+    pcm = read_audio(root / "in.wav", 24000, FRAME)
+    pcm = np.pad(pcm, (0, -len(pcm) % FRAME))
+    with ref_mimi.streaming(1):
+        return [
+            ref_mimi.encode(torch.from_numpy(pcm[i * FRAME : (i + 1) * FRAME])[None, None])[0, :, 0].tolist()
+            for i in range(len(pcm) // FRAME)
+        ]
+
+
+def _expected(files, role: str, codes=None, preset=None) -> list[dict]:
+    """The statement's live calls: the prompt forced, then the user's codes one frame each."""
+    root, _, ref_lm, ref_mimi = files
+    sp = spm.SentencePieceProcessor(model_file=str(root / "tok.model"))
+    text = sp.encode(f"<system> {role} <system>")  # no BOS, no EOS
+    oracle = Oracle(ref_lm)
+    try:
+        session = ReferenceSession(CFG, oracle)
+        session.prompt(text, codes=codes, preset=preset)
+        live = [session.live(u) for u in _user_codes(ref_mimi, root)]
+    finally:
+        oracle.close()
+    return [{"frame": i, "text": c.output[0], "audio": c.output[1:9]} for i, c in enumerate(live)]
+
+
+def _check(ours: list[dict], expected: list[dict]) -> None:
+    assert len(ours) == len(expected) == 13  # every live frame has an output: the prompt warmed the delays up
+    for a, b in zip(ours, expected, strict=True):
+        assert a == b, f"frame {b['frame']}"
+    assert len({r["text"] for r in ours} | {r["audio"][0] for r in ours}) > 3, "degenerate run"
+
+
+def test_preset_voice_matches_the_reference_rules(files, tmp_path):
+    root = files[0]
+    state = torch.load(root / "voice.pt", weights_only=True)
+    preset = (state["embeddings"][:, 0], len(VOICE_CODES), state["cache"][0].tolist())
+    _check(_infer(files, tmp_path, ROLE, "voice.pt"), _expected(files, ROLE, preset=preset))
+    out, rate = sf.read(tmp_path / "out.wav")
+    assert rate == 24000 and len(out) == 13 * FRAME  # OUT starts at the first live frame too
+
+
+def test_audio_voice_matches_the_reference_rules(files, tmp_path):
+    root = files[0]
+    mimi = load_mimi(root / "mimi.safetensors")
+    codes = load_audio_voice(root / "voice.wav", mimi, load_lm(files[1]).cfg).codes  # checked in test_voices
+    assert codes is not None and len(codes) == 8  # 0.6 s at 12.5 Hz, rounded up
+    _check(_infer(files, tmp_path, ROLE, "voice.wav"), _expected(files, ROLE, codes=codes.tolist()))
+
+
+def test_one_prompt_word_changes_the_output(files, tmp_path):
+    base = _infer(files, tmp_path, ROLE, "voice.pt")
+    other = _infer(files, tmp_path, ROLE.replace("weather", "ocean"), "voice.pt")
+    assert base[0] == other[0]  # the first live frame is forced: padding and silence
+    assert base != other
+
+
+def _refused(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_bad_prompts_are_refused(files, tmp_path, capsys):
+    root, weights, _, _ = files
+
+    def run(*extra: str, config=None) -> str:
+        return _refused(_args(root, weights, tmp_path, *extra, config=config), capsys)
+
+    assert "--voice-prompt needs --text-prompt too" in run("--voice-prompt", str(root / "voice.pt"))
+    assert "--text-prompt needs --voice-prompt too" in run("--text-prompt", ROLE)
+    assert "--text-prompt is empty" in run("--text-prompt", "  ", "--voice-prompt", str(root / "voice.pt"))
+    missing = run("--text-prompt", ROLE, "--voice-prompt", str(root / "nope.pt"))
+    assert "--voice-prompt voice file not found" in missing
+    (tmp_path / "junk.wav").write_bytes(b"RIFF not really a wav file")
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    (tmp_path / "voice.txt").write_text("hello")
+    torch.save({"embeddings": torch.zeros(3, 1, 1, 7), "cache": torch.zeros(1, 17, 5)}, tmp_path / "other.pt")
+    for name, message in (
+        ("junk.wav", "cannot read audio"),
+        ("junk.pt", "not a PersonaPlex voice preset"),
+        ("voice.txt", "not a voice file"),
+        ("other.pt", "another model's voice"),
+    ):
+        err = run("--text-prompt", ROLE, "--voice-prompt", str(tmp_path / name))
+        assert "error: --voice-prompt" in err and message in err, err
+
+    config = json.loads((root / "config.json").read_text())
+    (tmp_path / "short.json").write_text(json.dumps({**config, "context": 30}))
+    err = run("--text-prompt", ROLE, "--voice-prompt", str(root / "voice.pt"), config=tmp_path / "short.json")
+    assert "--text-prompt the prompt is" in err and "the model's context is 30 frames" in err, err
+
+
+def test_a_prompt_needs_a_personaplex_model(files, tmp_path, capsys):
+    sf.write(tmp_path / "in.wav", speech_like(0.2, 24000)[:, 0], 24000)
+    args = ["infer", str(tmp_path / "in.wav"), str(tmp_path / "out.wav")]  # the demo model: Moshi, no prompt
+    err = _refused([*args, "--text-prompt", ROLE, "--voice-prompt", str(files[0] / "voice.pt")], capsys)
+    assert "--text-prompt needs a PersonaPlex model" in err
