@@ -124,10 +124,10 @@ def check_tokenizer_file(ref: str, cfg: LMConfig, option: str = "tokenizer") -> 
         raise CheckpointError(str(e), option) from None
 
 
-def check_model_files(files: ModelFiles) -> None:
+def check_model_files(files: ModelFiles) -> LMConfig:
     """Every reference resolved to a local file (hub files are downloaded into the cache, where loading finds them)
-    and checked as far as is cheap: safetensors headers, the LM config, the tokenizer. Raises `CheckpointError`
-    tagged with the option at fault."""
+    and checked as far as is cheap: safetensors headers, the LM config, the tokenizer; returns the LM's
+    configuration. Raises `CheckpointError` tagged with the option at fault."""
 
     def option(ref: str, name: str, own: str) -> str:
         return "hf_repo" if files.hf_repo and ref == f"hf://{files.hf_repo}/{name}" else own
@@ -136,3 +136,4 @@ def check_model_files(files: ModelFiles) -> None:
     mimi_option = option(files.mimi, MIMI_NAME, "mimi_weight")
     _check_safetensors(local_file(files.mimi, MIMI_NAME, mimi_option), files.mimi, mimi_option)
     check_tokenizer_file(files.tokenizer, cfg, option(files.tokenizer, TOKENIZER_NAME, "tokenizer"))
+    return cfg

@@ -187,6 +187,11 @@ def load_voice(path: str | Path, mimi: MimiModel, cfg: LMConfig, name: str | Non
 # --------------------------------------------------------------------------------------------------- library
 
 
+def voice_files(folder: Path) -> list[Path]:
+    """The `.pt`, `.wav` and `.flac` files directly in `folder`, sorted (other files are not voices)."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in (PRESET_SUFFIX, *AUDIO_SUFFIXES))
+
+
 class VoiceLibrary:
     """The voices of a folder, loaded once and kept by file name (`NATF0.pt`, as PersonaPlex's clients name them);
     a name without its suffix works too when it is unambiguous."""
@@ -205,9 +210,7 @@ class VoiceLibrary:
         folder = Path(folder).expanduser()
         if not folder.is_dir():
             raise VoiceError(f"voices folder not found: {folder}", "voices")
-        files = sorted(
-            p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in (PRESET_SUFFIX, *AUDIO_SUFFIXES)
-        )
+        files = voice_files(folder)
         if not files:
             raise VoiceError(f"{folder} holds no voice ({PRESET_SUFFIX}, {', '.join(AUDIO_SUFFIXES)} files)", "voices")
         voices = {}

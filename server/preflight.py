@@ -1,4 +1,4 @@
-"""What `duplexd serve` checks before it loads a model: devices, files, TLS, the static folder, the port.
+"""What `duplexd serve` checks before it loads a model: devices, files, TLS, the static folder, the voices, the port.
 
 Each refusal is a `SettingsError` naming the flag (or `DUPLEXD_*` variable) and the fix, raised in seconds rather
 than after minutes of loading. The port is bound here and the socket handed to uvicorn, so "in use" is known before
@@ -15,11 +15,13 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from duplexd.engine.config import LMConfig
 from duplexd.engine.devices import check_devices
 from duplexd.engine.errors import CheckpointError, InputRefused
 from duplexd.engine.hub import hub_repo
 from duplexd.engine.model_files import check_model_files
 from duplexd.engine.transcriber import import_transformers
+from duplexd.engine.voices import AUDIO_SUFFIXES, PRESET_SUFFIX, voice_files
 
 from .runtime import resolve_files
 from .settings import ServerSettings, SettingsError
@@ -107,6 +109,33 @@ def check_static(settings: ServerSettings) -> None:
         )
 
 
+def check_voices_folder(settings: ServerSettings) -> None:
+    """`--voices` must be a folder holding at least one voice file (each file is checked when it is loaded)."""
+    if settings.voices is None:
+        return
+    flag, folder = settings.option_name("voices"), Path(settings.voices).expanduser()
+    if not folder.is_dir():
+        raise SettingsError(f"{flag} {settings.voices}: folder not found")
+    if not voice_files(folder):
+        kinds = ", ".join((PRESET_SUFFIX, *AUDIO_SUFFIXES))
+        raise SettingsError(f"{flag} {settings.voices}: the folder holds no voice ({kinds} files)")
+
+
+def check_voices_model(settings: ServerSettings, cfg: LMConfig | None) -> None:
+    """Voices condition a PersonaPlex model only (`cfg` None: random weights, whose presets are not one)."""
+    if settings.voices is None or (cfg is not None and cfg.predicts_user_audio):
+        return
+    if settings.demo:
+        model = "the demo model"
+    else:
+        model = f"the {settings.random_weights} preset" if settings.random_weights else "the LM"
+    why = "" if cfg is None else f" (its DepFormer predicts {cfg.dep_q} of its {cfg.n_q} audio codebooks, not all)"
+    raise SettingsError(
+        f"{settings.option_name('voices')} {settings.voices}: voices need a PersonaPlex model, and {model} is "
+        f"not one{why}"
+    )
+
+
 def bind(settings: ServerSettings) -> socket.socket:
     """The server's socket, bound (not yet listening) to host and port."""
     host, port = settings.host, settings.port
@@ -148,10 +177,11 @@ def preflight(settings: ServerSettings) -> socket.socket:
         raise refused(settings, e) from None
     check_tls(settings)
     check_static(settings)
+    check_voices_folder(settings)
     sock = bind(settings)
     try:
-        if settings.random_weights is None:
-            check_model_files(resolve_files(settings))
+        cfg = None if settings.random_weights is not None else check_model_files(resolve_files(settings))
+        check_voices_model(settings, cfg)
     except BaseException as e:
         sock.close()
         if isinstance(e, InputRefused):

@@ -73,6 +73,8 @@ def models(request: Request, ctx: Context) -> dict:
             "devices": list(info.devices),
             "max_sessions": ctx.runtime.capacity(),
             "protocols": ["/api/chat", "/v1/realtime"],
+            "persona": info.persona,
+            "voices": list(info.voices),
         }
     ]
     service = ctx.runtime.transcription

@@ -28,6 +28,7 @@ from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.tokenizer import TextTokenizer
 from duplexd.engine.transcriber import Transcriber, model_folder
 from duplexd.engine.transcription import TranscriptionConfig, TranscriptionService
+from duplexd.engine.voices import VoiceLibrary
 
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
 
@@ -49,6 +50,8 @@ class ModelInfo:
     random_weights: str | None = None  # the LM preset, when its weights are random
     transcriber: str | None = None  # the Gemma 4 transcribing users' speech, when there is one
     transcriber_demo: bool = False
+    persona: bool = False  # a PersonaPlex LM: sessions may be given a voice and a role text
+    voices: tuple[str, ...] = ()  # the voices `--voices` loaded, by file name
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -115,11 +118,16 @@ class Runtime:
     """The engines of this server and what they serve; `open_session` never blocks."""
 
     def __init__(
-        self, engines: list[Engine], info: ModelInfo, transcription: TranscriptionService | None = None
+        self,
+        engines: list[Engine],
+        info: ModelInfo,
+        transcription: TranscriptionService | None = None,
+        voices: VoiceLibrary | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("no engine to serve with")
         self.engines, self.info, self.transcription = engines, info, transcription
+        self.voices = voices  # `--voices`, loaded and encoded once
         self.failed: str | None = None  # why warm-up failed, if it did
 
     @property
@@ -252,6 +260,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         tokenizer = TextTokenizer(tokenizer_path)
     transcription, transcriber_id = load_transcription(settings) if settings.transcribe else (None, None)
     engines = []
+    models: list[tuple[LMModel, MimiModel]] = []
     for index, device in enumerate(settings.devices):
         step = f"[{index + 1}/{len(settings.devices)}] {device}"
         started = time.perf_counter()
@@ -271,6 +280,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
             except CheckpointError as e:
                 raise CheckpointError(str(e), e.option or "mimi_weight") from None
         check_tokenizer(tokenizer, lm.cfg, tokenizer_path)
+        models.append((lm, mimi))
         config = EngineConfig(
             max_sessions=settings.max_sessions,
             kv_memory=settings.kv_memory,
@@ -290,7 +300,8 @@ def load_runtime(settings: ServerSettings) -> Runtime:
                 f"{e}; the transcriber shares {device}: give it another with --transcribe-device, or a smaller model"
             ) from None
         logger.info("%s: loaded in %.1f s", step, time.perf_counter() - started)
-    first = engines[0]
+    first, (lm, mimi) = engines[0], models[0]
+    voices = load_voices(settings, lm, mimi)
     info = ModelInfo(
         _model_id(settings, files),
         str(files.moshi),
@@ -303,5 +314,21 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         preset,
         transcriber_id,
         settings.transcribe == "demo",
+        persona=lm.cfg.predicts_user_audio,
+        voices=tuple(voices.names) if voices is not None else (),
     )
-    return Runtime(engines, info, transcription)
+    return Runtime(engines, info, transcription, voices)
+
+
+def load_voices(settings: ServerSettings, lm: LMModel, mimi: MimiModel) -> VoiceLibrary | None:
+    """The `--voices` folder, every file checked against the LM and the audio ones encoded by `mimi` (once, for
+    every device: codes are tokens). Raises `VoiceError` (option `voices`) naming a bad file and why: one bad
+    file refuses the start, so no session finds it missing later."""
+    if settings.voices is None:
+        return None
+    if not lm.cfg.predicts_user_audio:  # preflight says so first; random weights are never PersonaPlex
+        raise CheckpointError(f"{settings.voices}: voices need a PersonaPlex model, and this LM is not one", "voices")
+    started = time.perf_counter()
+    library = VoiceLibrary.scan(settings.voices, mimi, lm.cfg)
+    logger.info("%d voices ready in %.1f s", len(library.names), time.perf_counter() - started)
+    return library

@@ -70,6 +70,13 @@ class ServerSettings(BaseSettings):
         _MODEL,
         metavar="PRESET",
     )
+    voices: str | None = opt(
+        None,
+        "PersonaPlex voices: every .pt preset and WAV/FLAC sample in DIR, checked and encoded at start-up "
+        "(needs a PersonaPlex LM)",
+        _MODEL,
+        metavar="DIR",
+    )
     devices: Annotated[list[str], NoDecode] = opt(
         ["cpu"],
         "device to run an engine on; repeat or comma-separate for several",

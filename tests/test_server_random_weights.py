@@ -28,6 +28,7 @@ def test_serve_random_weights_answers_and_says_so(tmp_path):
         model = httpx2.get(f"{live.url}/v1/models", timeout=5).json()["data"][0]
         assert model["random_weights"] is True and model["demo"] is False
         assert model["id"] == "demo-random-weights" and model["max_sessions"] == 2
+        assert model["persona"] is False and model["voices"] == []
     text = log.read_text()
     assert "RANDOM weights" in text and "Traceback" not in text, text[-3000:]
 

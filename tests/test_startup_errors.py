@@ -179,6 +179,26 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
         "--transcribe-device cuda:5: this machine",
         {},
     ),
+    "voices folder missing": (
+        ["serve", "--voices", "{tmp}/no-voices"],
+        "--voices {tmp}/no-voices: folder not found",
+        {},
+    ),
+    "voices folder empty": (
+        ["serve", "--voices", "{tmp}/no-voice-files"],
+        "--voices {tmp}/no-voice-files: the folder holds no voice (.pt, .wav, .flac files)",
+        {},
+    ),
+    "voices for a model not PersonaPlex": (
+        ["serve", "--voices", "{tmp}/voices"],
+        "--voices {tmp}/voices: voices need a PersonaPlex model, and the demo model is not one (its DepFormer",
+        {},
+    ),
+    "voices for random weights": (
+        ["serve", "--random-weights", "demo", "--voices", "{tmp}/voices"],
+        "--voices {tmp}/voices: voices need a PersonaPlex model, and the demo preset is not one",
+        {},
+    ),
 }
 # Cases on a real (tiny) Gemma 4 checkpoint, rewritten: they need transformers to write it.
 GEMMA_CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
@@ -203,6 +223,10 @@ def _files(tmp: Path) -> None:
     (tmp / "list.json").write_text("[1, 2]")
     (tmp / "layer_norm.json").write_text('{"norm": "layer_norm"}')
     sf.write(tmp / "in.wav", np.zeros(4800, np.float32), 24000)
+    (tmp / "no-voice-files").mkdir()
+    (tmp / "no-voice-files" / "README.txt").write_text("not a voice")
+    (tmp / "voices").mkdir()
+    sf.write(tmp / "voices" / "voice.wav", np.zeros(4800, np.float32), 24000)  # never read: the model is refused
 
 
 def _gemma_variants(cache: Path, out: Path) -> Path:
