@@ -16,3 +16,20 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Never touch the user's cache: the demo model is written under a per-session temp dir."""
     monkeypatch.setenv("DUPLEXD_CACHE", str(tmp_path_factory.getbasetemp() / "duplexd-cache"))
+
+
+@pytest.fixture(scope="session")
+def gemma4_folder(tmp_path_factory):
+    """The tiny random Gemma 4 demo in Hugging Face layout (needs transformers), written once for the run."""
+    pytest.importorskip("transformers")
+    from duplexd.engine.gemma4_demo import write_demo
+
+    return write_demo(tmp_path_factory.mktemp("gemma4-demo"))
+
+
+@pytest.fixture(scope="session")
+def gemma4_hf(gemma4_folder):
+    """The transformers reference on that folder: (processor, Gemma4ForConditionalGeneration)."""
+    from .gemma4_ref import load_reference
+
+    return load_reference(gemma4_folder)

@@ -15,14 +15,13 @@ transformers = pytest.importorskip("transformers")
 
 from duplexd import cli  # noqa: E402
 from duplexd.clients.audio import speech_like, write_wav  # noqa: E402
-from duplexd.engine.gemma4_demo import write_demo  # noqa: E402
 from duplexd.engine.transcriber import (  # noqa: E402
     STEP_SAMPLES,
     Transcriber,
     num_audio_tokens,
 )
 
-from .gemma4_ref import generate, hf_inputs, load_reference  # noqa: E402
+from .gemma4_ref import generate, hf_inputs  # noqa: E402
 
 MAX_NEW = 16
 # Odd lengths: a partial last step with 0-7 valid frames, an exact multiple of the step, one sample past it.
@@ -34,18 +33,8 @@ def utterance(n: int, seed: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_demo(tmp_path_factory.mktemp("gemma4-demo"))
-
-
-@pytest.fixture(scope="module")
-def hf(folder):
-    return load_reference(folder)
-
-
-@pytest.fixture(scope="module")
-def tr(folder):
-    return Transcriber.from_pretrained(folder, max_slots=4, max_new_tokens=MAX_NEW)
+def tr(gemma4_folder):
+    return Transcriber.from_pretrained(gemma4_folder, max_slots=4, max_new_tokens=MAX_NEW)
 
 
 _refs: dict[tuple[int, int], list[int]] = {}
@@ -58,8 +47,8 @@ def hf_tokens(hf, n: int, seed: int) -> list[int]:
     return _refs[(n, seed)]
 
 
-def test_prompt_and_token_count_match_processor(hf, tr):
-    proc, _ = hf
+def test_prompt_and_token_count_match_processor(gemma4_hf, tr):
+    proc, _ = gemma4_hf
     for n in [161, 162, 1280, 1281, 9_999, 15_360, 15_361]:
         inp = hf_inputs(proc, utterance(n, 0))
         ids = inp["input_ids"][0].tolist()
@@ -68,9 +57,9 @@ def test_prompt_and_token_count_match_processor(hf, tr):
         assert ids == tr.prompt_ids(count)
 
 
-def test_soft_tokens_match_reference_to_the_last(hf, tr):
+def test_soft_tokens_match_reference_to_the_last(gemma4_hf, tr):
     """Every soft token of the stream, the final partial step's included, equals HF's get_audio_features."""
-    proc, model = hf
+    proc, model = gemma4_hf
     for n in LENGTHS:
         wave = utterance(n, 1)
         inp = hf_inputs(proc, wave)
@@ -88,14 +77,14 @@ def test_soft_tokens_match_reference_to_the_last(hf, tr):
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_transcript_matches_generate(hf, tr, n):
+def test_transcript_matches_generate(gemma4_hf, tr, n):
     ours = tr.transcribe(utterance(n, 1))
-    ref = hf_tokens(hf, n, 1)
+    ref = hf_tokens(gemma4_hf, n, 1)
     assert ours == ref
     assert len(ref) >= 4 and len(set(ref)) >= 3, f"degenerate reference transcript {ref}"
 
 
-def test_batch_equals_each_alone(hf, tr):
+def test_batch_equals_each_alone(gemma4_hf, tr):
     """Three utterances of different lengths, fed interleaved in ragged chunks, decoded as one batch."""
     lengths = [LENGTHS[0], LENGTHS[1], LENGTHS[4]]
     waves = [utterance(n, 1) for n in lengths]
@@ -107,19 +96,19 @@ def test_batch_equals_each_alone(hf, tr):
     batch = tr.finish_many(slots)
     for slot in slots:
         tr.close(slot)
-    assert batch == [hf_tokens(hf, n, 1) for n in lengths]
+    assert batch == [hf_tokens(gemma4_hf, n, 1) for n in lengths]
     assert len({tuple(t) for t in batch}) == 3
 
 
-def test_one_changed_step_changes_the_transcript(hf, tr):
+def test_one_changed_step_changes_the_transcript(gemma4_hf, tr):
     n = LENGTHS[1]
     wave = utterance(n, 1)
     changed = wave.copy()
     changed[5 * STEP_SAMPLES : 6 * STEP_SAMPLES] *= -0.5  # one 80 ms step
     ours = tr.transcribe(changed)
-    assert ours != hf_tokens(hf, n, 1)
+    assert ours != hf_tokens(gemma4_hf, n, 1)
     # and the reference agrees on the changed audio too
-    proc, model = hf
+    proc, model = gemma4_hf
     inp = hf_inputs(proc, changed)
     with torch.no_grad():
         out = model.generate(**inp, do_sample=False, max_new_tokens=MAX_NEW)
@@ -136,17 +125,17 @@ def test_slots_run_out_and_come_back(tr):
     tr.close(slots[0])
 
 
-def test_cli_transcribes_a_file(folder, tmp_path, capsys):
+def test_cli_transcribes_a_file(gemma4_folder, tmp_path, capsys):
     path = tmp_path / "a.wav"
     write_wav(path, speech_like(1.3, seed=2), 24_000)  # resampled to 16 kHz by the reader
-    assert cli.main(["transcribe", str(path), "--model", str(folder), "--max-new-tokens", "8"]) == 0
+    assert cli.main(["transcribe", str(path), "--model", str(gemma4_folder), "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.strip()
 
 
-def test_cli_errors(folder, tmp_path, capsys):
+def test_cli_errors(gemma4_folder, tmp_path, capsys):
     path = tmp_path / "a.wav"
     write_wav(path, speech_like(0.5, seed=2), 16_000)
-    assert cli.main(["transcribe", str(tmp_path / "missing.wav"), "--model", str(folder)]) == 2
+    assert cli.main(["transcribe", str(tmp_path / "missing.wav"), "--model", str(gemma4_folder)]) == 2
     assert "cannot read audio" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -15,7 +15,6 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from duplexd.engine.gemma4_demo import write_demo  # noqa: E402
 from duplexd.engine.transcriber import Transcriber  # noqa: E402
 from duplexd.engine.transcription import (  # noqa: E402
     SpeechBegan,
@@ -29,21 +28,11 @@ from duplexd.engine.transcription import (  # noqa: E402
 from duplexd.engine.vad import VAD_RATE, SpeechStopped, VadSegmenter, load_silero, segments  # noqa: E402
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE, split_frames  # noqa: E402
 
-from .gemma4_ref import generate, load_reference  # noqa: E402
+from .gemma4_ref import generate  # noqa: E402
 from .speech import TOLERANCE, compose, needs_espeak, speak_all  # noqa: E402
 
 pytestmark = needs_espeak
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_demo(tmp_path_factory.mktemp("gemma4-demo"))
-
-
-@pytest.fixture(scope="module")
-def hf(folder):
-    return load_reference(folder)
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +92,9 @@ def done(events) -> list[TranscriptDone]:
     return [e for e in events if isinstance(e, TranscriptDone)]
 
 
-def test_each_utterance_equals_generate_on_its_span(folder, hf, clips, silero):
+def test_each_utterance_equals_generate_on_its_span(gemma4_folder, gemma4_hf, clips, silero):
     pcm, truth = compose([0.7, clips[0], 1.2, clips[1], 1.0, clips[2], 0.9], seed=11)
-    service = make_service(folder, silero)
+    service = make_service(gemma4_folder, silero)
     try:
         stream = service.open_stream()
         feed([(stream, pcm)])
@@ -116,7 +105,7 @@ def test_each_utterance_equals_generate_on_its_span(folder, hf, clips, silero):
     stops = reference_stops(silero, pcm)
     assert len(stops) == 3
     results = done(events)
-    assert [r.tokens for r in results] == [tuple(generate(hf, s.audio, MAX_NEW)) for s in stops]
+    assert [r.tokens for r in results] == [tuple(generate(gemma4_hf, s.audio, MAX_NEW)) for s in stops]
     assert len({r.tokens for r in results}) == 3 and all(len(r.tokens) >= 3 for r in results)
     # Events in order per utterance, with times on the session's audio timeline.
     kinds = [(type(e).__name__, e.item) for e in events]
@@ -131,12 +120,12 @@ def test_each_utterance_equals_generate_on_its_span(folder, hf, clips, silero):
     assert [d.text for d in deltas] == [r.text for r in results if r.text]
 
 
-def test_one_changed_frame_changes_that_utterance(folder, hf, clips, silero):
+def test_one_changed_frame_changes_that_utterance(gemma4_folder, gemma4_hf, clips, silero):
     pcm, _ = compose([0.7, clips[0], 1.2, clips[1], 0.9], seed=12)
     changed = pcm.copy()
     at = round((0.7 + len(clips[0]) / SAMPLE_RATE + 1.2 + 0.5) * SAMPLE_RATE)  # 0.5 s into the second clip
     changed[at : at + FRAME_SIZE] *= -0.5
-    service = make_service(folder, silero)
+    service = make_service(gemma4_folder, silero)
     try:
         outs = []
         for audio in (pcm, changed):
@@ -148,7 +137,7 @@ def test_one_changed_frame_changes_that_utterance(folder, hf, clips, silero):
         service.stop()
     assert outs[0][0].tokens == outs[1][0].tokens
     assert outs[0][1].tokens != outs[1][1].tokens
-    assert list(outs[1][1].tokens) == generate(hf, reference_stops(silero, changed)[1].audio, MAX_NEW)
+    assert list(outs[1][1].tokens) == generate(gemma4_hf, reference_stops(silero, changed)[1].audio, MAX_NEW)
 
 
 class SpyTranscriber(Transcriber):
@@ -176,12 +165,12 @@ class SpyTranscriber(Transcriber):
         return super().feed_many(chunks)
 
 
-def test_sessions_share_tower_and_decoder_batches(folder, hf, clips, silero):
+def test_sessions_share_tower_and_decoder_batches(gemma4_folder, gemma4_hf, clips, silero):
     """Two sessions whose utterances end together: one decoder batch, each transcript as if alone."""
     lead = 0.7 + (len(clips[0]) - len(clips[1])) / SAMPLE_RATE
     a, _ = compose([0.7, clips[0], 1.0], seed=13)
     b, _ = compose([lead, clips[1], 1.0], seed=14)
-    service = make_service(folder, silero, SpyTranscriber, max_streams=2, batch_window_s=0.5)
+    service = make_service(gemma4_folder, silero, SpyTranscriber, max_streams=2, batch_window_s=0.5)
     try:
         sa, sb = service.open_stream(), service.open_stream()
         feed([(sa, a), (sb, b)])
@@ -189,29 +178,29 @@ def test_sessions_share_tower_and_decoder_batches(folder, hf, clips, silero):
     finally:
         service.stop()
     assert 2 in service.transcriber.batches
-    assert list(ra[0].tokens) == generate(hf, reference_stops(silero, a)[0].audio, MAX_NEW)
-    assert list(rb[0].tokens) == generate(hf, reference_stops(silero, b)[0].audio, MAX_NEW)
+    assert list(ra[0].tokens) == generate(gemma4_hf, reference_stops(silero, a)[0].audio, MAX_NEW)
+    assert list(rb[0].tokens) == generate(gemma4_hf, reference_stops(silero, b)[0].audio, MAX_NEW)
     assert ra[0].tokens != rb[0].tokens
 
 
-def test_a_file_is_transcribed_span_by_span(folder, hf, clips, silero):
+def test_a_file_is_transcribed_span_by_span(gemma4_folder, gemma4_hf, clips, silero):
     pcm, _ = compose([0.5, clips[2], 1.0, clips[0], 0.6], seed=15)
     audio16 = np.asarray(__import__("soxr").resample(pcm, SAMPLE_RATE, VAD_RATE), dtype=np.float32)
     spans = [(round(s * VAD_RATE), round(e * VAD_RATE)) for s, e in segments(audio16, VAD_RATE, model=silero)]
     assert len(spans) == 2
-    service = make_service(folder, silero, max_streams=1)
+    service = make_service(gemma4_folder, silero, max_streams=1)
     try:
         result = service.transcribe(audio16, spans).result(120)
     finally:
         service.stop()
-    assert [list(r.tokens) for r in result] == [generate(hf, audio16[a:b], MAX_NEW) for a, b in spans]
+    assert [list(r.tokens) for r in result] == [generate(gemma4_hf, audio16[a:b], MAX_NEW) for a, b in spans]
     assert [(r.start_s, r.end_s) for r in result] == [(a / VAD_RATE, b / VAD_RATE) for a, b in spans]
     assert all(r.error is None for r in result)
 
 
-def test_decoder_failure_and_overload_fail_only_their_utterances(folder, clips, silero):
+def test_decoder_failure_and_overload_fail_only_their_utterances(gemma4_folder, clips, silero):
     pcm, _ = compose([0.5, clips[0], 0.8, clips[1], 0.8, clips[2], 0.8, clips[1], 0.8], seed=16)
-    service = make_service(folder, silero, SpyTranscriber, max_queued=1, batch_window_s=0.0)
+    service = make_service(gemma4_folder, silero, SpyTranscriber, max_queued=1, batch_window_s=0.0)
     tr = service.transcriber
     try:
         tr.hold.clear()  # decoding waits: the first utterance is taken, the second queued, the third refused
@@ -230,9 +219,9 @@ def test_decoder_failure_and_overload_fail_only_their_utterances(folder, clips, 
     assert sorted(results) == [0, 1, 2, 3]
 
 
-def test_audio_the_thread_cannot_take_is_dropped_and_fails_the_utterance(folder, clips, silero):
+def test_audio_the_thread_cannot_take_is_dropped_and_fails_the_utterance(gemma4_folder, clips, silero):
     pcm, _ = compose([0.5, clips[0], 3.0, clips[1], 0.8], seed=17)
-    service = make_service(folder, silero, SpyTranscriber, max_pending_frames=5)
+    service = make_service(gemma4_folder, silero, SpyTranscriber, max_pending_frames=5)
     tr = service.transcriber
     try:
         stream = service.open_stream()
@@ -259,10 +248,10 @@ def test_audio_the_thread_cannot_take_is_dropped_and_fails_the_utterance(folder,
     assert any(isinstance(e, SpeechEnded) and e.item == 1 for e in events)
 
 
-def test_streams_run_out_and_closing_gives_them_back(folder, silero):
+def test_streams_run_out_and_closing_gives_them_back(gemma4_folder, silero):
     from duplexd.engine.errors import CapacityError
 
-    service = make_service(folder, silero, max_streams=2)
+    service = make_service(gemma4_folder, silero, max_streams=2)
     try:
         a, b = service.open_stream(), service.open_stream()
         with pytest.raises(CapacityError, match="2 transcription streams"):
@@ -288,11 +277,11 @@ class BrokenTranscriber(SpyTranscriber):
         raise RuntimeError("tower on fire")
 
 
-def test_a_dead_thread_fails_what_is_in_flight_and_refuses_new_work(folder, clips, silero):
+def test_a_dead_thread_fails_what_is_in_flight_and_refuses_new_work(gemma4_folder, clips, silero):
     from duplexd.engine.errors import CapacityError
 
     pcm, _ = compose([0.5, clips[0], 0.8], seed=18)
-    service = make_service(folder, silero, BrokenTranscriber)
+    service = make_service(gemma4_folder, silero, BrokenTranscriber)
     try:
         stream = service.open_stream()
         feed([(stream, pcm)])
