@@ -145,6 +145,13 @@ def caption(event: dict) -> str | None:
     return None
 
 
+def persona_line(info: dict) -> str | None:
+    """The persona the server ran the session with (Kyutai metadata or Realtime session), if it had one."""
+    voice = info.get("voice_prompt") or info.get("voice")
+    text = info.get("text_prompt") or info.get("instructions")
+    return f"persona: voice {voice}, role text {text!r}" if voice else None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         pcm = read_audio(args.input)
@@ -182,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
     model = describe_server(options) or {}
     if result.info.get("demo") or model.get("demo"):
         print("note: the server runs the demo model (random weights): it speaks noise", file=sys.stderr)
+    persona = persona_line(result.info)
+    if persona:
+        print(persona, file=sys.stderr)
     write_wav(args.out, result.pcm)
     if args.text_out:
         with open(args.text_out, "w", encoding="utf-8") as f:

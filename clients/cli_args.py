@@ -33,10 +33,19 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--audio-temperature", type=float)
     s.add_argument("--audio-topk", type=int)
     s.add_argument("--seed", type=int, help="session seed: the same seed and input give the same answer")
+    g = p.add_argument_group("persona (a PersonaPlex server with --voices; its defaults when not given)")
+    g.add_argument("--text-prompt", help="the role text, e.g. 'You enjoy having a good conversation.'")
+    g.add_argument("--voice-prompt", help="the voice: a name from the server's /v1/models voices, e.g. NATF0.pt")
 
 
 def connect_options(args: argparse.Namespace) -> ConnectOptions:
     sampling = Sampling(args.text_temperature, args.text_topk, args.audio_temperature, args.audio_topk, args.seed)
     return ConnectOptions(
-        url=args.url, protocol=args.protocol, sampling=sampling, api_key=args.api_key, open_timeout=args.open_timeout
+        url=args.url,
+        protocol=args.protocol,
+        sampling=sampling,
+        api_key=args.api_key,
+        open_timeout=args.open_timeout,
+        text_prompt=args.text_prompt,
+        voice_prompt=args.voice_prompt,
     )

@@ -48,6 +48,10 @@ class ConnectOptions:
     open_timeout: float = 30.0  # seconds for the upgrade and the handshake (the server may be busy)
     max_steps: int | None = None
     transcribe: bool = False  # ask for the user's transcripts (Kyutai protocol: `transcribe=1`)
+    # A PersonaPlex persona: Kyutai's `text_prompt` / `voice_prompt` query parameters, or Realtime's
+    # `session.instructions` / `session.voice` in a `session.update` before the first audio.
+    text_prompt: str | None = None
+    voice_prompt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,10 @@ def endpoint(options: ConnectOptions) -> str:
         query["max_steps"] = str(options.max_steps)
     if options.transcribe:
         query["transcribe"] = "1"
+    if options.protocol == "kyutai":
+        for name in ("text_prompt", "voice_prompt"):
+            if (value := getattr(options, name)) is not None:
+                query[name] = value
     extra = urlencode(query)
     joined = "&".join(q for q in (parts.query, extra) if q)
     return urlunsplit((scheme, parts.netloc, path, joined, ""))

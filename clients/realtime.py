@@ -13,7 +13,7 @@ import numpy as np
 
 from duplexd.wire import pcm16_base64, pcm_from_base64
 
-from .connection import Connection, Event
+from .connection import Connection, Event, Refused
 
 AUDIO_DELTAS = {"response.output_audio.delta", "response.audio.delta"}
 TEXT_DELTAS = {"response.output_audio_transcript.delta", "response.audio_transcript.delta"}
@@ -28,9 +28,36 @@ def _error_text(event: dict[str, Any]) -> str:
     return f"{err.get('code')}: {err.get('message')}"
 
 
+def persona_update(text: str | None, voice: str | None) -> str:
+    """The `session.update` that gives a PersonaPlex server's session its persona (before any audio)."""
+    session = {k: v for k, v in (("instructions", text), ("voice", voice)) if v is not None}
+    return json.dumps({"type": "session.update", "session": session})
+
+
 class RealtimeConnection(Connection):
     def subprotocols(self) -> list:
         return ["realtime"]
+
+    async def handshake(self) -> None:
+        """Admitted (`session.created`), then the persona when one is asked for: sent before any audio, and its
+        refusal (unknown voice, a model that takes none, ...) is the connection's (`Refused`)."""
+        await super().handshake()
+        text, voice = self.options.text_prompt, self.options.voice_prompt
+        if text is None and voice is None:
+            return
+        assert self.ws is not None
+        await self.ws.send(persona_update(text, voice))
+        while True:
+            event = json.loads(await self.ws.recv())
+            if event.get("type") == "error":
+                await self.close()
+                raise Refused(f"persona refused: {_error_text(event)}")
+            if event.get("type") == "session.updated":
+                self.info = event.get("session") or {}
+                if "voice" not in self.info:  # shown only where a persona applies
+                    await self.close()
+                    raise Refused("persona refused: the server's model takes no persona (it is not PersonaPlex)")
+                return
 
     async def greeting(self, message: str | bytes) -> bool:
         if isinstance(message, bytes):

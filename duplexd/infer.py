@@ -22,7 +22,7 @@ from duplexd.engine.hub import resolve_file
 from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_model_files, model_files
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
-from duplexd.engine.persona import PersonaPrompt, build_prompt, wrap_role_text
+from duplexd.engine.persona import PersonaPrompt, check_persona_model, role_prompt
 from duplexd.engine.pipeline import Pipeline
 from duplexd.engine.tokenizer import TextTokenizer
 from duplexd.engine.voices import VoiceError, load_voice
@@ -66,24 +66,12 @@ def persona_prompt(
         if cfg.predicts_user_audio:
             logger.warning("a PersonaPlex model without --text-prompt and --voice-prompt: no persona prompt is run")
         return None
-    if not cfg.predicts_user_audio:
-        raise InputRefused(
-            "needs a PersonaPlex model (one predicting the user's audio too); this model takes no prompt",
-            "text_prompt",
-        )
+    check_persona_model(cfg)  # before the voice is read: the model is the first thing wrong
     try:
         voice = load_voice(Path(args.voice_prompt).expanduser(), mimi, cfg)
     except VoiceError as e:
         raise InputRefused(str(e), "voice_prompt") from None
-    text_tokens = tokenizer.encode(wrap_role_text(args.text_prompt))
-    prompt = build_prompt(cfg, voice, text_tokens)
-    if prompt.calls > cfg.context:
-        raise InputRefused(
-            f"the prompt is {prompt.calls} frames ({voice.frames} of voice, {len(text_tokens)} text tokens and "
-            f"silence) but the model's context is {cfg.context} frames",
-            "text_prompt",
-        )
-    return prompt
+    return role_prompt(cfg, voice, args.text_prompt, tokenizer.encode)
 
 
 def prepare(args: argparse.Namespace) -> tuple[str, ModelFiles, SamplingParams]:

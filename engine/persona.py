@@ -8,13 +8,14 @@ model's own (fixed Mimi codes of one frame of silence and of the tone); they are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .config import LMConfig
+from .errors import InputRefused
 
 SILENCE_CODES = (948, 243, 1178, 546, 1736, 1030, 1978, 2008)  # one frame of silence, 8 Mimi codebooks
 SINE_CODES = (430, 1268, 381, 1611, 1095, 1495, 56, 472)  # one frame of a 440 Hz tone at half amplitude
@@ -123,3 +124,31 @@ def build_prompt(cfg: LMConfig, voice: Voice, text_tokens: Sequence[int]) -> Per
     if voice.embeddings is not None:
         embeddings, first = voice.embeddings, v - 1
     return PersonaPrompt(embeddings, grid[first : calls - 1].clone(), grid[calls - 1 :].clone())
+
+
+def check_persona_model(cfg: LMConfig) -> None:
+    """`InputRefused` (option `text_prompt`) unless the model takes a persona prompt (PersonaPlex)."""
+    if not cfg.predicts_user_audio:
+        raise InputRefused(
+            "needs a PersonaPlex model (one predicting the user's audio too); this model takes no prompt", "text_prompt"
+        )
+
+
+def role_prompt(cfg: LMConfig, voice: Voice, text: str, encode: Callable[[str], list[int]]) -> PersonaPrompt:
+    """The prompt of a role text in `voice`, or `InputRefused` (option `text_prompt`) saying why it cannot be run:
+    the model is not PersonaPlex, the text is empty, or the prompt would not fit the model's window (the live
+    frames need room after it). Every front end (`duplexd infer`, the server's protocols) refuses the same way;
+    each message reads after the name of the parameter that carried the text."""
+    check_persona_model(cfg)
+    if not text.strip():
+        raise InputRefused("is empty", "text_prompt")
+    tokens = encode(wrap_role_text(text))
+    calls = prompt_calls(voice.frames, len(tokens))
+    if calls >= cfg.context:
+        raise InputRefused(
+            f"makes a prompt of {calls} frames ({voice.frames} of voice {voice.name}, {len(tokens)} text tokens, "
+            f"{2 * SILENCE_FRAMES} of silence) but the model's context is {cfg.context} frames: the prompt must be "
+            f"at most {cfg.context - 1}",
+            "text_prompt",
+        )
+    return build_prompt(cfg, voice, tokens)

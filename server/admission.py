@@ -49,11 +49,14 @@ async def serve(
                 "server draining (shutting down): reconnect to another replica",
             )
         try:
-            session = ctx.runtime.open_session(params, max_frames)
+            session = ctx.runtime.open_session(params, max_frames, adapter.opening_prompt())
         except CapacityError as e:
             metrics.refused.labels("capacity").inc()
             logger.info("%s session refused: %s", adapter.name, e)
             raise Close(CloseCode.TRY_AGAIN_LATER, "capacity", f"server at capacity: {e}") from None
+        except ValueError as e:  # the engine cannot take this persona's prompt (checked before, said again)
+            metrics.refused.labels("invalid_parameter").inc()
+            raise Close(CloseCode.INVALID_PAYLOAD, "invalid_parameter", f"persona prompt refused: {e}") from None
     except Close as close:
         await close_connection(adapter, close, ctx.settings.send_timeout)
         return

@@ -14,12 +14,14 @@ error message (0x05) and a close code.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
 
 from duplexd.engine.config import SamplingParams
 from duplexd.engine.errors import CapacityError
+from duplexd.engine.persona import PersonaPrompt
 from duplexd.engine.session import SessionOutput
 from duplexd.engine.transcription import TranscriptEvent
 
@@ -29,8 +31,9 @@ from .build_info import BUILD_INFO
 from .closing import Close, CloseCode
 from .context import Context, ServerContext
 from .opus import AudioError, OpusDecoder, OpusEncoder
+from .persona import KYUTAI, Persona, PersonaRefused, Personas
 from .pump import Adapter, Pump
-from .query import max_frames_from_query, sampling_from_query, transcription_from_query
+from .query import BadQuery, max_frames_from_query, sampling_from_query, transcription_from_query
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -39,16 +42,26 @@ router = APIRouter()
 class KyutaiAdapter(Adapter):
     name = "kyutai"
 
-    def __init__(self, ws: WebSocket, sample_rate: int) -> None:
+    def __init__(self, ws: WebSocket, sample_rate: int, personas: Personas) -> None:
         super().__init__(ws)
         self.decoder, self.encoder = OpusDecoder(sample_rate), OpusEncoder(sample_rate)
+        self.personas = personas
+        self.persona: Persona | None = None  # set from the query (PersonaPlex's defaults where it has voices)
         self.transcribe_prompt: str | None = None  # set from the query: the client asked for its transcripts
 
     def parameters(self) -> tuple[SamplingParams, int | None]:
         """The session's settings from the query string; `BadQuery` (close 1007) for a bad one."""
         query = self.ws.query_params
         self.transcribe_prompt = transcription_from_query(query)
-        return sampling_from_query(query), max_frames_from_query(query)
+        params, max_frames = sampling_from_query(query), max_frames_from_query(query)
+        try:  # PersonaPlex's own names; on PersonaPlex with voices, absent ones take its defaults
+            self.persona = self.personas.resolve(query.get("text_prompt"), query.get("voice_prompt"), KYUTAI)
+        except PersonaRefused as e:
+            raise BadQuery(str(e)) from None
+        return params, max_frames
+
+    def opening_prompt(self) -> PersonaPrompt | None:
+        return None if self.persona is None else self.persona.prompt
 
     def start_transcribing(self, pump: Pump) -> str | None:
         """Transcribe the user when asked to; why not (no transcriber, no free stream), or None."""
@@ -101,7 +114,7 @@ def _name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def metadata(ctx: ServerContext, pump: Pump) -> dict:
+def metadata(ctx: ServerContext, pump: Pump, persona: Persona | None = None) -> dict:
     """What the Rust server announces before its handshake, plus the session's id, seed and length limit, and
     whether its user is transcribed."""
     params, info = pump.session.params, ctx.runtime.info
@@ -123,16 +136,34 @@ def metadata(ctx: ServerContext, pump: Pump) -> dict:
         "seed": params.seed,
         "max_steps": pump.session.max_frames,
         "transcription": pump.transcript is not None,  # this session gets its user's transcripts (0x06 JSON)
+        **persona_metadata(persona),
     }
+
+
+def persona_metadata(persona: Persona | None) -> dict:
+    """The persona a session runs with, under PersonaPlex's query names (nothing when it has none)."""
+    return {} if persona is None else {"text_prompt": persona.text, "voice_prompt": persona.voice}
 
 
 @router.websocket("/api/chat")
 async def chat(ws: WebSocket, ctx: Context) -> None:
-    adapter = KyutaiAdapter(ws, ctx.runtime.info.sample_rate)
+    adapter = KyutaiAdapter(ws, ctx.runtime.info.sample_rate, ctx.runtime.personas)
 
     async def greet(pump: Pump) -> None:
         unavailable = adapter.start_transcribing(pump)  # first: the metadata says whether it is on
-        await adapter.send_bytes(protocol.metadata(metadata(ctx, pump)))
+        await adapter.send_bytes(protocol.metadata(metadata(ctx, pump, adapter.persona)))
+        persona = adapter.persona
+        if persona is not None:  # as PersonaPlex's server: the prompt runs, then the handshake
+            started = time.perf_counter()
+            if not await pump.session.until_live():
+                return  # the session ended during its prompt: the pump tells the client why
+            logger.info(
+                "kyutai session %s: persona voice %s, prompt of %d frames run in %.0f ms; handshake",
+                pump.session.id,
+                persona.voice,
+                persona.prompt.calls,
+                (time.perf_counter() - started) * 1000,
+            )
         await adapter.send_bytes(protocol.handshake())
         if unavailable:
             await adapter.send_bytes(protocol.transcription_unavailable(unavailable))

@@ -26,6 +26,7 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
 from duplexd.engine.errors import CapacityError, SessionClosed
+from duplexd.engine.persona import PersonaPrompt
 from duplexd.engine.session import Session, SessionOutput
 from duplexd.engine.transcriber import DEFAULT_PROMPT
 from duplexd.engine.transcription import TranscriptEvent, TranscriptionService, TranscriptStream
@@ -55,6 +56,11 @@ class Adapter(ABC):
     def __init__(self, ws: WebSocket) -> None:
         self.ws = ws
         self.send_lock = asyncio.Lock()  # sends come from both tasks; keep each message whole and in order
+
+    def opening_prompt(self) -> PersonaPrompt | None:
+        """The persona prompt the engine runs as the session is admitted (Kyutai: from the query); None when there
+        is none, or when the protocol starts it later itself."""
+        return None
 
     @abstractmethod
     async def on_message(self, message: dict) -> np.ndarray | None:

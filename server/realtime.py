@@ -26,7 +26,7 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 
 from duplexd.engine.config import SamplingParams
-from duplexd.engine.errors import CapacityError
+from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.session import SessionOutput
 from duplexd.engine.transcription import (
     SpeechBegan,
@@ -43,8 +43,9 @@ from .access import offered_subprotocols
 from .admission import serve
 from .closing import Close, CloseCode
 from .context import Context, ServerContext
+from .persona import KYUTAI, Names, Persona, PersonaRefused
 from .pump import Adapter, Pump
-from .query import sampling_from_query
+from .query import BadQuery, sampling_from_query
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -78,14 +79,34 @@ class RealtimeAdapter(Adapter):
         self.transcript_offset = 0
         self.user_items: dict[int, UserItem] = {}
         self.last_user_item: str | None = None
+        # Persona (PersonaPlex with voices): the defaults until a session.update sets them; fixed (its prompt
+        # started) by the first audio.
+        self.personas = ctx.runtime.personas
+        self.persona = self.personas.default
+        self.persona_fixed = False
+
+    def parameters(self) -> tuple[SamplingParams, int | None]:
+        """Sampling, and a persona, from the query string (Kyutai's names, which the browser sends); `BadQuery`
+        (close 1007) for a bad one. The persona may still change by `session.update` until the first audio."""
+        query = self.ws.query_params
+        params = sampling_from_query(query)
+        text, voice = query.get("text_prompt"), query.get("voice_prompt")
+        if text is not None or voice is not None:
+            try:
+                self.persona = self.personas.resolve(text, voice, KYUTAI)
+            except PersonaRefused as e:
+                raise BadQuery(str(e)) from None
+        return params, None
 
     def session_object(self, params: SamplingParams) -> dict:
+        persona = self.persona
         return ev.session_object(
             self.session_id,
             self.ctx.runtime.info.id,
             params,
             self.ctx.settings.max_session_seconds,
             self.transcription,
+            (persona.text, persona.voice) if persona is not None else None,
         )
 
     async def on_message(self, message: dict) -> np.ndarray | None:
@@ -100,6 +121,8 @@ class RealtimeAdapter(Adapter):
             event = ev.parse_event(text)
             if isinstance(event, ev.AudioAppend):  # the hot path: 12.5 a second per session
                 pcm = ev.decode_audio(event)
+                if not self.persona_fixed:
+                    await self.fix_persona()
                 self.samples_in += len(pcm)
                 return pcm
             if isinstance(event, ev.SessionUpdate):
@@ -119,12 +142,82 @@ class RealtimeAdapter(Adapter):
         pump = self.pump
         assert pump is not None
         params = event.sampling(pump.session.params)
+        persona = self.persona_update(event)
         transcription = event.transcription()
         if transcription is not None:
             self.set_transcription(pump, event, *transcription)
+        self.persona = persona
         if params != pump.session.params:
             pump.session.update_params(params)
         await self.send_text(ev.session_updated(self.session_object(params)))
+
+    def persona_update(self, event: ev.SessionUpdate) -> Persona | None:
+        """The persona after `event`; `RealtimeError` when it asks for one this session cannot have: a bad text or
+        voice, no voices on this server (`invalid_value`), or a change after the first audio (`persona_locked`:
+        the prompt ran before it). A model that takes no persona ignores both, as before: OpenAI's SDKs may send
+        instructions unasked."""
+        personas, current = self.personas, self.persona
+        if not personas.persona_model:
+            return current
+        text, voice = event.persona()
+        if text is None and voice is None:
+            return current
+        name, voice_param = voice if voice is not None else (None, ev.VOICE_PARAM)
+        names = Names(ev.INSTRUCTIONS_PARAM, voice_param)
+        try:
+            if self.persona_fixed and current is not None:
+                changed = [
+                    param
+                    for param, differs in (
+                        (ev.INSTRUCTIONS_PARAM, text is not None and text != current.text),
+                        (voice_param, name is not None and personas.voice_name(name, names) != current.voice),
+                    )
+                    if differs
+                ]
+                if changed:
+                    raise ev.RealtimeError(
+                        "persona_locked",
+                        f"{changed[0]} is set before the audio starts: this session's persona (voice {current.voice}) "
+                        "was fixed by its first input_audio_buffer.append and stays for the whole session",
+                        event.event_id,
+                        changed[0],
+                    )
+                return current  # the same again: SDKs resend the whole session
+            return personas.resolve(
+                current.text if text is None and current is not None else text,
+                current.voice if name is None and current is not None else name,
+                names,
+            )
+        except PersonaRefused as e:
+            raise ev.RealtimeError("invalid_value", str(e), event.event_id, e.option) from None
+
+    async def fix_persona(self) -> None:
+        """The first audio: the persona is fixed and its prompt starts, before that audio is pushed (the engine
+        queues the audio and steps it once the prompt has run)."""
+        self.persona_fixed = True
+        persona, pump = self.persona, self.pump
+        if persona is None:
+            return
+        assert pump is not None
+        try:
+            pump.session.start_prompt(persona.prompt)
+        except SessionClosed:
+            return  # the writer reports why it ended
+        except CapacityError as e:
+            raise Close(
+                CloseCode.TRY_AGAIN_LATER, "capacity", f"server at capacity: no room for the prompt: {e}"
+            ) from None
+        except ValueError as e:  # checked when the persona was set: the engine's own word, should it differ
+            self.persona = None
+            message = f"the persona's prompt was refused ({e}); the session goes on without a persona"
+            await self.send_text(ev.error_event("invalid_value", message, param=ev.INSTRUCTIONS_PARAM))
+            return
+        logger.info(
+            "realtime session %s: persona voice %s, %d prompt frames",
+            pump.session.id,
+            persona.voice,
+            persona.prompt.calls,
+        )
 
     async def send_output(self, out: SessionOutput) -> None:
         messages = []
@@ -244,4 +337,4 @@ async def realtime(ws: WebSocket, ctx: Context) -> None:
         adapter.pump = pump
         await adapter.send_text(ev.session_created(adapter.session_object(pump.session.params)))
 
-    await serve(ctx, adapter, subprotocol, lambda: (sampling_from_query(ws.query_params), None), greet)
+    await serve(ctx, adapter, subprotocol, adapter.parameters, greet)

@@ -38,6 +38,9 @@ SUBPROTOCOL = "realtime"
 SAMPLE_RATE = wire.SAMPLE_RATE
 TRANSCRIPTION_PARAM = "session.audio.input.transcription"
 BETA_TRANSCRIPTION_PARAM = "session.input_audio_transcription"
+INSTRUCTIONS_PARAM = "session.instructions"  # a PersonaPlex model's role text
+VOICE_PARAM = "session.voice"  # and its voice (a file name from /v1/models)
+GA_VOICE_PARAM = "session.audio.output.voice"
 MAX_TRANSCRIPTION_PROMPT = 500  # characters: the prompt is decoder input for every utterance
 # Client events of the OpenAI API that a duplex model has no use for: answered with a non-fatal error.
 UnsupportedType = Literal[
@@ -93,19 +96,26 @@ class AudioSide(BaseModel):
     format: AudioFormat | None = None
 
 
+class AudioOutput(AudioSide):
+    voice: Any = None  # GA place of `session.voice`; checked only where a persona applies (`SessionUpdate.persona`)
+
+
 class AudioInput(AudioSide):
     transcription: TranscriptionSettings | None = None  # given as null: off (see `SessionUpdate.transcription`)
 
 
 class SessionAudio(BaseModel):
     input: AudioInput | None = None
-    output: AudioSide | None = None
+    output: AudioOutput | None = None
 
 
 class SessionPatch(BaseModel):
-    """The part of a `session.update`'s session duplexd reads; the rest (instructions, voice, ...) is ignored."""
+    """The part of a `session.update`'s session duplexd reads; the rest is ignored. `instructions` and `voice` are
+    a PersonaPlex model's persona; any value is accepted (and ignored) by a model that takes none, as before."""
 
     audio: SessionAudio | None = None
+    instructions: Any = None
+    voice: Any = None
     input_audio_format: Literal["pcm16"] | None = None  # beta names
     output_audio_format: Literal["pcm16"] | None = None
     sampling: SamplingUpdate | None = None
@@ -147,6 +157,26 @@ class SessionUpdate(ClientEvent):
         if "input_audio_transcription" in self.session.model_fields_set:
             return BETA_TRANSCRIPTION_PARAM, self.session.input_audio_transcription
         return None
+
+    def persona(self) -> tuple[str | None, tuple[str, str] | None]:
+        """The role text and the voice this update gives (None: left as they are), the voice with the param it
+        came as (GA `session.audio.output.voice` wins over `session.voice`). `RealtimeError` for a value that is
+        not a string."""
+        patch = self.session
+        text = patch.instructions
+        if text is not None and not isinstance(text, str):
+            raise RealtimeError(
+                "invalid_value", f"{INSTRUCTIONS_PARAM} must be a string", self.event_id, INSTRUCTIONS_PARAM
+            )
+        output = patch.audio.output if patch.audio is not None else None
+        param, voice = (
+            (GA_VOICE_PARAM, output.voice)
+            if output is not None and output.voice is not None
+            else (VOICE_PARAM, patch.voice)
+        )
+        if voice is not None and not isinstance(voice, str):
+            raise RealtimeError("invalid_value", f"{param} must be a voice's name (a string)", self.event_id, param)
+        return text, (voice, param) if voice is not None else None
 
 
 class TurnEvent(ClientEvent):
@@ -272,8 +302,16 @@ def session_object(
     params: SamplingParams,
     max_seconds: float,
     transcription: dict[str, Any] | None = None,
+    persona: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
+    """The session as the client sees it; `persona` (role text, voice) only where one applies (a PersonaPlex
+    model with voices): a model that takes none shows no `instructions` or `voice`."""
     fmt = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+    output: dict[str, Any] = {"format": fmt}
+    extra: dict[str, Any] = {}
+    if persona is not None:
+        extra = {"instructions": persona[0], "voice": persona[1]}
+        output["voice"] = persona[1]
     return {
         "id": session_id,
         "object": "realtime.session",
@@ -282,8 +320,9 @@ def session_object(
         "output_modalities": ["audio"],
         "audio": {
             "input": {"format": fmt, "turn_detection": None, "transcription": transcription},
-            "output": {"format": fmt},
+            "output": output,
         },
+        **extra,
         "input_audio_transcription": transcription,  # the beta name
         "sampling": {
             "text_temperature": params.text_temperature,

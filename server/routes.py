@@ -77,6 +77,9 @@ def models(request: Request, ctx: Context) -> dict:
             "voices": list(info.voices),
         }
     ]
+    default = ctx.runtime.personas.default
+    if default is not None:  # what a session that names no persona gets (PersonaPlex's client defaults)
+        models[0]["persona_defaults"] = {"text_prompt": default.text, "voice_prompt": default.voice}
     service = ctx.runtime.transcription
     if service is not None and info.transcriber is not None:
         models.append(

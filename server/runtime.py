@@ -25,11 +25,13 @@ from duplexd.engine.hub import resolve_file
 from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
+from duplexd.engine.persona import PersonaPrompt
 from duplexd.engine.tokenizer import TextTokenizer
 from duplexd.engine.transcriber import Transcriber, model_folder
 from duplexd.engine.transcription import TranscriptionConfig, TranscriptionService
 from duplexd.engine.voices import VoiceLibrary
 
+from .persona import PersonaRefused, Personas
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -123,11 +125,13 @@ class Runtime:
         info: ModelInfo,
         transcription: TranscriptionService | None = None,
         voices: VoiceLibrary | None = None,
+        personas: Personas | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("no engine to serve with")
         self.engines, self.info, self.transcription = engines, info, transcription
         self.voices = voices  # `--voices`, loaded and encoded once
+        self.personas = personas or Personas.off()  # what a session's text and voice prompt turn into
         self.failed: str | None = None  # why warm-up failed, if it did
 
     @property
@@ -150,15 +154,20 @@ class Runtime:
         if self.transcription is not None:
             self.transcription.stop()
 
-    def open_session(self, params: SamplingParams, max_frames: int | None = None) -> Session:
-        """Admit a session on the engine with the most room, or raise `CapacityError`."""
+    def open_session(
+        self, params: SamplingParams, max_frames: int | None = None, prompt: PersonaPrompt | None = None
+    ) -> Session:
+        """Admit a session on the engine with the most room, or raise `CapacityError`; with a persona `prompt`, the
+        engine prefills it before the session goes live (`ValueError` if it cannot take that prompt)."""
         if not self.ready:
             raise CapacityError("the model is still warming up" if self.failed is None else "the model failed")
         order = sorted(self.engines, key=lambda e: e.stats().admissible_sessions, reverse=True)
         error: CapacityError | None = None
         for engine in order:
             try:
-                return engine.open_session(params, max_frames)
+                if prompt is None:
+                    return engine.open_session(params, max_frames)
+                return engine.open_session(params, max_frames, prompt)
             except CapacityError as e:
                 error = e
         assert error is not None
@@ -302,8 +311,13 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         logger.info("%s: loaded in %.1f s", step, time.perf_counter() - started)
     first, (lm, mimi) = engines[0], models[0]
     voices = load_voices(settings, lm, mimi)
+    model_id = _model_id(settings, files)
+    try:
+        personas = Personas(lm.cfg, tokenizer, voices, model_id)
+    except PersonaRefused as e:  # the default persona does not fit this model's window
+        raise CheckpointError(f"{settings.voices}: the default persona cannot be run: {e}", "voices") from None
     info = ModelInfo(
-        _model_id(settings, files),
+        model_id,
         str(files.moshi),
         str(files.mimi),
         str(tokenizer_path),
@@ -317,7 +331,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         persona=lm.cfg.predicts_user_audio,
         voices=tuple(voices.names) if voices is not None else (),
     )
-    return Runtime(engines, info, transcription, voices)
+    return Runtime(engines, info, transcription, voices, personas)
 
 
 def load_voices(settings: ServerSettings, lm: LMModel, mimi: MimiModel) -> VoiceLibrary | None:

@@ -168,7 +168,7 @@ def test_bad_prompts_are_refused(files, tmp_path, capsys):
     config = json.loads((root / "config.json").read_text())
     (tmp_path / "short.json").write_text(json.dumps({**config, "context": 30}))
     err = run("--text-prompt", ROLE, "--voice-prompt", str(root / "voice.pt"), config=tmp_path / "short.json")
-    assert "--text-prompt the prompt is" in err and "the model's context is 30 frames" in err, err
+    assert "--text-prompt makes a prompt of" in err and "the model's context is 30 frames" in err, err
 
 
 def test_a_prompt_needs_a_personaplex_model(files, tmp_path, capsys):

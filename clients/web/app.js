@@ -2,6 +2,8 @@
 // No build step and no codec: the OpenAI Realtime subset carries raw pcm16, so the browser needs no Opus.
 // "Transcribe me" (when the server has a transcription model) turns on input_audio_transcription: the user's
 // captions, one line per utterance, from the server's speech_started / speech_stopped / transcription events.
+// A PersonaPlex server with voices (/v1/models: persona true) gets a persona box: a role text and a voice picker,
+// sent as the text_prompt / voice_prompt query parameters; the server starts the persona before the first audio.
 
 const RATE = 24000;
 const FRAME = 1920; // 80 ms
@@ -12,6 +14,7 @@ const ui = {
   stop: $("stop"), inLevel: $("in-level"), outLevel: $("out-level"), frames: $("frames-received"),
   firstAudio: $("first-audio"), buffered: $("buffered"), underruns: $("underruns"), model: $("model-id"),
   transcribe: $("transcribe"), transcribeToggle: $("transcribe-toggle"), you: $("you"), captions: $("captions"),
+  persona: $("persona"), voice: $("voice_prompt"), role: $("text_prompt"), personaUsed: $("persona-used"),
 };
 
 let chat = null; // the running conversation, if any
@@ -117,6 +120,10 @@ function settings() {
     const value = $(name).value.trim();
     if (value !== "") query.set(name, value);
   }
+  if (!ui.persona.hidden) {
+    query.set("text_prompt", ui.role.value);
+    query.set("voice_prompt", ui.voice.value);
+  }
   return query;
 }
 
@@ -130,7 +137,7 @@ const REFUSALS = {
   capacity: "The server is full: every session slot is in use. Try again in a moment.",
   invalid_api_key: "The server refused the API key. Enter the right key under Settings.",
   origin_not_allowed: "The server does not accept connections from this page's origin.",
-  invalid_parameter: "The server refused a sampling setting",
+  invalid_parameter: "The server refused a setting",
 };
 
 async function start() {
@@ -143,6 +150,7 @@ async function start() {
   }
   ui.start.disabled = true;
   ui.stop.disabled = false;
+  ui.voice.disabled = ui.role.disabled = true;
   ui.text.textContent = "";
   ui.captions.textContent = "";
   ui.frames.textContent = "0";
@@ -203,6 +211,7 @@ function onEvent(c, event) {
       c.admitted = true;
       setState("live", "live");
       if (event.session && event.session.model) ui.model.textContent = `model ${event.session.model}`;
+      showPersona(event.session || {});
       if (transcriber && ui.transcribe.checked) c.ws.send(transcriptionUpdate(true));
       break;
     case "response.output_audio.delta":
@@ -264,10 +273,26 @@ function stop(message, state) {
   }
   ui.start.disabled = false;
   ui.stop.disabled = true;
+  ui.voice.disabled = ui.role.disabled = false;
   meter(ui.inLevel, 0);
   meter(ui.outLevel, 0);
   setState(state || "idle", state === "lost" ? "connection lost" : state);
   if (message) showMessage(message);
+}
+
+function showPersona(session) {
+  ui.personaUsed.textContent = session.voice ? `persona: voice ${session.voice}` : "";
+  ui.personaUsed.title = session.instructions || "";
+}
+
+function setUpPersona(model) {
+  const voices = model.persona ? model.voices || [] : [];
+  ui.persona.hidden = voices.length === 0;
+  if (ui.persona.hidden) return;
+  const defaults = model.persona_defaults || {};
+  ui.voice.replaceChildren(...voices.map((name) => new Option(name, name)));
+  ui.voice.value = voices.includes(defaults.voice_prompt) ? defaults.voice_prompt : voices[0];
+  if (!ui.role.value) ui.role.value = defaults.text_prompt || "";
 }
 
 async function describeServer() {
@@ -284,6 +309,7 @@ async function describeServer() {
     if (model) {
       ui.demo.hidden = !model.demo;
       ui.model.textContent = `model ${model.id}`;
+      setUpPersona(model);
     }
     const asr = models.find((m) => m.task === "transcription");
     transcriber = asr ? asr.id : null;
