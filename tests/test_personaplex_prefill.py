@@ -250,7 +250,7 @@ def test_a_capped_session_reserves_its_prompt_pages_too(models, mimi):
         assert engine.kv.pages_used == engine.kv.pages_needed(8 + prompt.forwards) > pages
         session.close()
         engine.scheduler.release()
-        engine.kv.allocate(1, 8 * (engine.kv.pages_free - 1))  # all but one page taken (by no session: slot 1 stays free)
+        engine.kv.allocate(1, 8 * (engine.kv.pages_free - 1))  # all but one page taken (slot 1 stays free)
         with pytest.raises(CapacityError, match="persona prompt"):
             engine.open_session(GREEDY, prompt=prompt)
     finally:
