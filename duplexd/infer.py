@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = persona_prompt(args, lm, mimi, tokenizer)
     pipeline = Pipeline(lm, mimi, num_slots=1)
     pipeline.reset(0, params)
-    if prompt is not None:  # forced frame by frame, outputs discarded: the JSONL and OUT start at the first live frame
-        pipeline.prompt(0, prompt)
+    if prompt is not None:  # prefilled in one forward, no outputs: the JSONL and OUT start at the first live frame
+        pipeline.prompt(0, prompt, chunk=prompt.forwards)
         logger.info("persona prompt: %d frames", prompt.calls)
 
     frame = pipeline.frame_size

@@ -28,6 +28,7 @@ from .graphs import default_buckets
 from .kv_cache import PagedKVCache, window_pages
 from .models.lm import LMModel
 from .models.mimi import MimiModel, MimiStreams
+from .persona import PersonaPrompt
 from .pipeline import Pipeline
 from .runner import Runner
 from .scheduler import Scheduler
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineConfig", "EngineStats", "Session", "SessionOutput", "StepRecord"]
 
 GiB = 2**30
+PROMPT_ALLOWANCE = 256  # frames a capped PersonaPlex session is sized for beside its own (prompts run 170-220)
 CUDA_HEADROOM = 4 * GiB  # left free beside the KV pool and Mimi's streams for activations, graphs and workspaces
 
 
@@ -55,6 +57,10 @@ class EngineConfig:
     pad_batches: bool = False  # pad to buckets without graphs (to run the graph path's padding on CPU)
     buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ..., max_sessions
     threads: int | None = None  # intra-op threads of the loop thread; default: the usable cores
+    # Persona prompts (PersonaPlex): frames prefilled per step beside live sessions (None: what fits in half of
+    # the time a frame leaves after a full step, timed at warm-up), and per step with no live session.
+    prefill_rows: int | None = None
+    max_prefill_rows: int = 512
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -63,6 +69,8 @@ class EngineConfig:
             raise ConfigError("max_session_frames must be >= 1")
         if self.max_pending_frames < 1 or self.max_output_frames < 1:
             raise ConfigError("max_pending_frames and max_output_frames must be >= 1")
+        if self.max_prefill_rows < 1 or (self.prefill_rows is not None and self.prefill_rows < 1):
+            raise ConfigError("prefill_rows and max_prefill_rows must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class StepRecord:
     batch_size: int
     bucket: int
     seconds: float
+    prompt_rows: int = 0  # persona prompt frames prefilled after the step
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,10 @@ class Engine:
         self.sample_rate, self.frame_size = mimi.cfg.sample_rate, mimi.cfg.frame_size
         cfg = lm.cfg
         page_size = config.page_size
-        per_session = window_pages(cfg.context, page_size, config.max_session_frames)
+        cap = config.max_session_frames
+        if cap is not None and cfg.predicts_user_audio:  # a persona prompt's frames come before the session's
+            cap += PROMPT_ALLOWANCE
+        per_session = window_pages(cfg.context, page_size, cap)
         kv = lm.new_kv_cache(config.max_sessions, pool_pages(lm, mimi, config, per_session), page_size)
         self.kv = kv
         logger.info(
@@ -153,7 +165,15 @@ class Engine:
             graphs=self._graphs,
             pad=self._graphs or config.pad_batches,
         )
-        self.scheduler = Scheduler(kv, self.frame_size, config.max_pending_frames, config.max_output_frames)
+        self._persona = cfg.predicts_user_audio
+        self.scheduler = Scheduler(
+            kv,
+            self.frame_size,
+            config.max_pending_frames,
+            config.max_output_frames,
+            config.max_prefill_rows,
+            self._persona,
+        )
         self.runner = Runner(self.pipeline, kv, tokenizer, set(cfg.silent_text_ids))
         self._listeners: list[Callable[[StepRecord], None]] = []
         self._thread: threading.Thread | None = None
@@ -191,7 +211,9 @@ class Engine:
         try:
             if self.device.type == "cuda":  # per thread: graphs, streams and Triton launch on the current device
                 torch.cuda.set_device(self.device)
-            self.runner.warm_up(self.scheduler.free_slots(), self._graphs)
+            step_seconds = self.runner.warm_up(self.scheduler.free_slots(), self._graphs)
+            if self._persona:
+                self.scheduler.prefill_rows = self._size_prefill(step_seconds)
             self.scheduler.start()
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
@@ -201,13 +223,26 @@ class Engine:
         while (plan := self.scheduler.plan()) is not None:
             result = self.runner.execute(plan)
             self.scheduler.finish(plan, result)
+            prefill = self.runner.prefill(plan.prefill) if plan.prefill else None
+            if prefill is not None:
+                self.scheduler.prefilled(plan, prefill)
             if plan.slots and result.error is None:
-                record = StepRecord(len(plan.slots), result.bucket, result.seconds)
+                record = StepRecord(len(plan.slots), result.bucket, result.seconds, prefill.rows if prefill else 0)
                 for listener in list(self._listeners):
                     try:
                         listener(record)
                     except Exception:
                         logger.exception("step listener failed")
+
+    def _size_prefill(self, step_seconds: float) -> int:
+        """Prompt frames per step beside live sessions: `prefill_rows`, else what fits in half of the frame's time
+        left after a full step (the other half is margin for the host and jitter)."""
+        config = self.config
+        most = min(config.max_prefill_rows, self.kv.context - 2)
+        if config.prefill_rows is not None:
+            return min(config.prefill_rows, most)
+        frame_seconds = self.frame_size / self.sample_rate
+        return self.runner.size_prefill(max(frame_seconds - step_seconds, 0.0) / 2, most)
 
     def stop(self) -> None:
         """End every session ("engine_stopped") and stop the loop thread."""
@@ -230,13 +265,22 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------- sessions
 
-    def open_session(self, params: SamplingParams | None = None, max_frames: int | None = None) -> Session:
-        """Admit a conversation, or raise `CapacityError` saying why. Non-blocking; safe on an event loop."""
+    def open_session(
+        self, params: SamplingParams | None = None, max_frames: int | None = None, prompt: PersonaPrompt | None = None
+    ) -> Session:
+        """Admit a conversation, or raise `CapacityError` saying why. Non-blocking; safe on an event loop.
+        With `prompt` (PersonaPlex), it opens with that persona (`Session.start_prompt`, whose errors it raises)."""
         cap = self.config.max_session_frames
         if max_frames is not None and max_frames < 1:
             raise ValueError("max_frames must be >= 1")
         frames = max_frames if cap is None else min(cap, max_frames or cap)
         session = self.scheduler.admit(params or SamplingParams(), frames)
+        if prompt is not None:
+            try:
+                session.start_prompt(prompt)
+            except BaseException:
+                session.close("refused")
+                raise
         logger.debug("session %s admitted in slot %d", session.id, session.slot)
         return session
 

@@ -120,6 +120,24 @@ class PagedKVCache:
         self.host_tables[slot] = self.scratch
         self.host_tables[slot, :need] = pages
 
+    def reserve(self, slot: int, frames: int | None) -> None:
+        """Grow `slot`'s reservation to a session of `frames` frames (a persona prompt's frames come first); it
+        never shrinks. `CapacityError` when the extra pages are not free. The device row follows at `upload`."""
+        pages = self._owned.get(slot)
+        if pages is None:
+            raise ValueError(f"slot {slot} holds no pages")
+        need = self.pages_needed(frames) - len(pages)
+        if need <= 0:
+            return
+        if need > len(self._free):
+            raise CapacityError(
+                f"not enough KV cache for the persona prompt: {need} more pages of {self.page_size} frames, "
+                f"{len(self._free)} of {self.num_pages} are free"
+            )
+        more = [self._free.pop() for _ in range(need)]
+        self.host_tables[slot, len(pages) : len(pages) + need] = more
+        pages.extend(more)
+
     def free(self, slot: int) -> None:
         """Give `slot`'s pages back; its host row points at scratch again. Idempotent."""
         pages = self._owned.pop(slot, None)
@@ -129,8 +147,12 @@ class PagedKVCache:
         self._free.extend(reversed(pages))
 
     def upload(self, slot: int) -> None:
-        """Copy `slot`'s host row to the device table; called between steps, before the slot's first step."""
-        self.tables[slot].copy_(torch.from_numpy(self.host_tables[slot]))
+        """Copy `slot`'s host row to the device table; called between steps, before the slot's first step. On CUDA
+        from a pinned copy, without waiting for the device."""
+        row = torch.from_numpy(self.host_tables[slot])
+        if self.tables.is_cuda:
+            row = row.pin_memory()
+        self.tables[slot].copy_(row, non_blocking=self.tables.is_cuda)
 
     # ---------------------------------------------------------------------------------------- device side
 

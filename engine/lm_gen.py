@@ -16,13 +16,15 @@ the last `MAX_REPETITION_CONTEXT` text tokens it sampled that were not special (
 start), newest first, on the device: a step shifts the new token in with a `where`, no host look at its value.
 
 A PersonaPlex model (`LMConfig.predicts_user_audio`) follows its reference's rules: a session opens with a
-persona prompt (`prompt`: forced frames, one forward each, nothing sampled), and the user's codes for frame n go
+persona prompt (forced frames, nothing sampled: `prompt` one forward per frame as the reference, or `prefill`
+many frames of several slots in one forward), and the user's codes for frame n go
 to column n + 1 + delay, so the model reads them one frame later than Moshi does. A forced mark on a ring entry
 keeps its value in place of the sampled one (the agent's delayed codebooks right after the prompt).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +35,7 @@ from duplexd.kernels.text_penalties import repetition_penalty
 from .config import MAX_REPETITION_CONTEXT, SamplingParams
 from .kv_cache import PagedKVCache, window_pages
 from .models.lm import LMModel
-from .persona import PersonaPrompt
+from .persona import PersonaPrompt, PromptChunk
 
 UNGENERATED = -2
 
@@ -75,6 +77,7 @@ class LMGen:
         if kv.num_slots != num_slots:
             raise ValueError(f"the KV cache has {kv.num_slots} slots, LMGen {num_slots}")
         self.kv = kv
+        self._pin = device.type == "cuda"  # prompt rows go up from pinned memory without a wait
         self.delays = torch.tensor(cfg.delays, device=device)
         self.initial = torch.tensor([cfg.text_initial_token_id] + [cfg.initial_token_id] * cfg.n_q, device=device)
         self.text_temperature = torch.zeros(rows, device=device)
@@ -211,34 +214,69 @@ class LMGen:
         out = out.masked_fill(~valid[:, None], UNGENERATED)
         return StepOutput(out, valid, text_logits, audio_logits)
 
-    @torch.no_grad()
-    def prompt(self, slot: int, prompt: PersonaPrompt) -> None:
-        """Run a PersonaPlex prompt in `slot` (just reset), one forward per frame, and leave the slot where the
-        reference's LMGen is after it: P - 1 forwards done (the first prompt frame has none), the ring holding the
-        prompt's last columns with the agent's delayed codebooks of the next column forced. Nothing is sampled:
-        every token the prompt's steps would sample is given, and the outputs are never sent.
-
-        The next `step` is the first live frame; its output is padding and silence, as the reference's.
-        """
-        cfg, ct = self.cfg, self.ring_size
-        if not cfg.predicts_user_audio:
-            raise ValueError("a persona prompt needs a PersonaPlex model (dep_q = n_q)")
-        device = self.offsets.device
-        slots = torch.tensor([slot], device=device)
-        dtype = self.model.text_emb.dtype
+    def prompt_rows(self, prompt: PersonaPrompt, start: int, stop: int) -> torch.Tensor:
+        """The summed input embeddings [stop - start, dim] of the prompt's forwards start..stop-1."""
+        device, dtype = self.offsets.device, self.model.text_emb.dtype
         stored = 0 if prompt.embeddings is None else len(prompt.embeddings)
-        for j in range(prompt.forwards):
-            if prompt.embeddings is not None and j < stored:
-                x = prompt.embeddings[j : j + 1].to(device=device, dtype=dtype)
-            else:
-                x = self.model.embed(prompt.columns[j - stored : j - stored + 1].to(device))
-            positions = torch.tensor([j], device=device)
-            self.model.forward_embeddings(x, positions, self.kv, self.kv.batch(slots, positions))
+        parts = []
+        if prompt.embeddings is not None and start < stored:
+            parts.append(prompt.embeddings[start : min(stop, stored)].to(device=device, dtype=dtype))
+        if stop > stored:
+            columns = prompt.columns[max(start, stored) - stored : stop - stored]
+            parts.append(self.model.embed(columns.to(device, non_blocking=True)))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    @torch.no_grad()
+    def prefill(self, chunks: Sequence[PromptChunk]) -> None:
+        """Run the prompt forwards of `chunks` (distinct slots, each reset and prefilled up to its `start`) as one
+        temporal forward, one row per frame, no DepFormer: every token of a prompt frame is given.
+
+        All rows' keys and values are written before any row attends, and row p of a slot attends to its slot's
+        positions up to p: causal attention within the chunk over the slot's paged KV, by the decode kernel's
+        per-row lengths. A slot whose chunk ends its prompt is left as `end_prompt` describes.
+        """
+        if not chunks:
+            return
+        if not self.cfg.predicts_user_audio:
+            raise ValueError("a persona prompt needs a PersonaPlex model (dep_q = n_q)")
+        for c in chunks:
+            if not 0 <= c.start < c.stop <= c.prompt.forwards:
+                raise ValueError(f"prompt rows {c.start}..{c.stop} out of 0..{c.prompt.forwards}")
+            if c.prompt.calls > self.kv.context:
+                raise ValueError(f"a prompt of {c.prompt.calls} frames is longer than the window ({self.kv.context})")
+        device = self.offsets.device
+        for c in chunks:
+            if c.start == 0:  # its table row may have grown since its reset (`PagedKVCache.reserve`)
+                self.kv.upload(c.slot)
+        x = torch.cat([self.prompt_rows(c.prompt, c.start, c.stop) for c in chunks])
+        rows = torch.tensor(
+            [[c.slot, p] for c in chunks for p in range(c.start, c.stop)], dtype=torch.long, pin_memory=self._pin
+        ).to(device, non_blocking=True)
+        slots, positions = rows[:, 0], rows[:, 1]
+        self.model.forward_embeddings(x, positions, self.kv, self.kv.batch(slots, positions))
+        for c in chunks:
+            if c.stop == c.prompt.forwards:
+                self.end_prompt(c.slot, c.prompt)
+
+    def end_prompt(self, slot: int, prompt: PersonaPrompt) -> None:
+        """Leave `slot` where the reference's LMGen is after a prompt: P - 1 forwards done (the first prompt frame
+        has none), the ring holding the prompt's last columns with the agent's delayed codebooks of the next column
+        forced. The next `step` is the first live frame; its output is padding and silence, as the reference's."""
+        cfg, ct, device = self.cfg, self.ring_size, self.offsets.device
         last = prompt.forwards  # column P - 1: the first live input
         self.ring[slot] = UNGENERATED
-        self.ring[slot, :, last % ct] = prompt.tail[0].to(device)
-        self.ring[slot, :, (last + 1) % ct] = prompt.tail[1].to(device)
+        self.ring[slot, :, last % ct] = prompt.tail[0].to(device, non_blocking=True)
+        self.ring[slot, :, (last + 1) % ct] = prompt.tail[1].to(device, non_blocking=True)
         delayed = self.delays[: cfg.agent_codebooks + 1] > 0
         self.forced[slot] = False
         self.forced[slot, :, (last + 1) % ct] = delayed
         self.offsets[slot] = last
+
+    @torch.no_grad()
+    def prompt(self, slot: int, prompt: PersonaPrompt, chunk: int = 1) -> None:
+        """Run a PersonaPlex prompt in `slot` (just reset), `chunk` frames per forward: one, as the reference does
+        it, or more (`prefill`); the slot ends the same either way. Nothing is sampled and no output is sent."""
+        if chunk < 1:
+            raise ValueError("chunk must be >= 1")
+        for start in range(0, prompt.forwards, chunk):
+            self.prefill([PromptChunk(slot, prompt, start, min(start + chunk, prompt.forwards))])

@@ -82,6 +82,17 @@ class PersonaPrompt:
         return (0 if self.embeddings is None else len(self.embeddings)) + len(self.columns)
 
 
+@dataclass(frozen=True)
+class PromptChunk:
+    """What one prefill does for one session: forwards `start`..`stop - 1` of `slot`'s persona prompt (row j
+    reads at position j)."""
+
+    slot: int
+    prompt: PersonaPrompt
+    start: int
+    stop: int
+
+
 def build_prompt(cfg: LMConfig, voice: Voice, text_tokens: Sequence[int]) -> PersonaPrompt:
     """The forced frames of a PersonaPlex session, laid out as the reference's ring lays them out.
 

@@ -24,7 +24,7 @@ from .kv_cache import PagedKVCache
 from .lm_gen import LMGen
 from .models.lm import LMModel
 from .models.mimi import MimiModel, MimiStreams, Rows
-from .persona import PersonaPrompt
+from .persona import PersonaPrompt, PromptChunk
 
 
 @dataclass
@@ -84,10 +84,18 @@ class Pipeline:
         self.mimi.reset(slot)
         self._positions[slot] = 0
 
-    def prompt(self, slot: int, prompt: PersonaPrompt) -> None:
-        """Run a PersonaPlex prompt in `slot` right after its reset (see `LMGen.prompt`); its next step is live."""
-        self.lm_gen.prompt(slot, prompt)
+    def prompt(self, slot: int, prompt: PersonaPrompt, chunk: int = 1) -> None:
+        """Run a PersonaPlex prompt in `slot` right after its reset, `chunk` frames per forward (see `LMGen.prompt`);
+        its next step is live."""
+        self.lm_gen.prompt(slot, prompt, chunk)
         self._positions[slot] = prompt.forwards
+
+    def prefill(self, chunks: Sequence[PromptChunk]) -> None:
+        """Prompt frames of several slots in one forward (`LMGen.prefill`); a slot whose prompt ends is live."""
+        self.lm_gen.prefill(chunks)
+        for c in chunks:
+            if c.stop == c.prompt.forwards:
+                self._positions[c.slot] = c.prompt.forwards
 
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
         """Sampling of `slot` from its next step on; its conversation goes on where it is."""

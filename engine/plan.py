@@ -11,17 +11,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .config import SamplingParams
+from .persona import PromptChunk
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Slots to start afresh, slots whose sampling changed, then the batch (may be empty): one frame per slot."""
+    """Slots to start afresh, slots whose sampling changed, then the batch (may be empty): one frame per slot; then
+    persona prompt frames to prefill (after the batch's outputs are handed out)."""
 
     resets: tuple[tuple[int, SamplingParams], ...] = ()
     retunes: tuple[tuple[int, SamplingParams], ...] = ()
     slots: tuple[int, ...] = ()
     frames: tuple[np.ndarray, ...] = ()  # float32 [frame_size] each
     arrivals: tuple[float, ...] = ()  # time.monotonic() when each frame was pushed
+    prefill: tuple[PromptChunk, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,4 +37,13 @@ class StepResult:
     valid: list[bool] = field(default_factory=list)  # False while a slot warms up: no output for that row
     bucket: int = 0  # the batch size the step ran at
     seconds: float = 0.0  # wall time of the step, the copies to the host included
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """How `plan.prefill` went: its wall time (launches only on CUDA: it is not waited for), or the error."""
+
+    rows: int = 0
+    seconds: float = 0.0
     error: BaseException | None = None

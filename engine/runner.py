@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from .kv_cache import PagedKVCache
+from .persona import PersonaPrompt, PromptChunk
 from .pipeline import Pipeline
-from .plan import StepPlan, StepResult
+from .plan import PrefillResult, StepPlan, StepResult
 from .tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,14 @@ class Runner:
         self._host_tokens = torch.zeros(rows, 1 + agent, dtype=torch.long, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
 
-    def warm_up(self, slots: Sequence[int], graphs: bool) -> None:
+    def warm_up(self, slots: Sequence[int], graphs: bool) -> float:
         """Two throw-away steps (the second decodes) at every batch size a step can run at (the buckets when
         padding, else 1..len(slots)) in the free `slots`, so first-use costs (kernel selection and compilation,
         oneDNN primitives and packed weights, allocator growth) are paid before the first session rather than in
-        its first frames; then, with `graphs`, the CUDA graph capture."""
+        its first frames; then, with `graphs`, the CUDA graph capture. Returns the seconds of the last step at the
+        largest size (eager: an upper bound where graphs replay it)."""
         pipeline = self.pipeline
+        seconds = 0.0
         for size in sorted({pipeline.bucket(n) for n in range(1, len(slots) + 1)}):
             batch = list(slots[: min(size, self.kv.pages_free)])
             for slot in batch:
@@ -45,12 +48,52 @@ class Runner:
                 pipeline.reset(slot)  # back to position 0: two frames stay inside the page just reserved
             try:
                 for _ in range(2):
+                    started = time.perf_counter()
                     pipeline.step(batch, np.zeros((len(batch), pipeline.frame_size), np.float32))
+                    self._wait()
+                    seconds = time.perf_counter() - started
             finally:
                 for slot in batch:
                     self.kv.free(slot)
         if graphs:
             pipeline.capture(torch.cuda.graph_pool_handle())
+        return seconds
+
+    def _wait(self) -> None:
+        """Wait for the device (timing at warm-up only; steps never wait but for their outputs)."""
+        if self._copied is not None:
+            torch.cuda.synchronize()
+
+    def size_prefill(self, budget: float, most: int) -> int:
+        """The most prompt frames (a power of two, at most `most`, at least 1) one prefill runs within `budget`
+        seconds, timed on throw-away rows in the scratch slot (whose pages nobody reads)."""
+        lm_gen, scratch = self.pipeline.lm_gen, self.pipeline.scratch
+        cfg = lm_gen.cfg
+        chosen, rows = 1, 1
+        while rows <= most:
+            calls = rows + 2
+            prompt = PersonaPrompt(None, torch.zeros(calls - 1, cfg.num_codebooks, dtype=torch.long), torch.zeros(2, 1))
+            seconds = []
+            for _ in range(2):  # the first pays first-use costs at this size
+                started = time.perf_counter()
+                lm_gen.prefill([PromptChunk(scratch, prompt, 0, rows)])
+                self._wait()
+                seconds.append(time.perf_counter() - started)
+            if seconds[-1] > budget:
+                break
+            chosen, rows = rows, rows * 2
+        logger.info("prefill: up to %d prompt frames per step beside live sessions (%.1f ms)", chosen, budget * 1e3)
+        return chosen
+
+    def prefill(self, chunks: Sequence[PromptChunk]) -> PrefillResult:
+        """Run prompt frames (`Pipeline.prefill`); a failure comes back as `PrefillResult.error`, never raised."""
+        rows = sum(c.stop - c.start for c in chunks)
+        started = time.perf_counter()
+        try:
+            self.pipeline.prefill(chunks)
+        except Exception as e:  # noqa: BLE001 - handed to the scheduler, which ends the prompts' sessions
+            return PrefillResult(rows, error=e)
+        return PrefillResult(rows, time.perf_counter() - started)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply `plan`; a failure of the batch comes back as `StepResult.error`, never raised."""

@@ -5,6 +5,12 @@ bookkeeping in `PagedKVCache`); otherwise `admit` raises `CapacityError` at once
 has a frame (or a slot must be reset or re-tuned) and takes one frame from each such session: a session without
 input is not in the batch and does not advance. `finish` hands the runner's result to the sessions of the plan.
 
+A session that opens with a persona prompt (`Session.start_prompt`) is prefilled before it takes frames: each plan
+carries prompt frames (`StepPlan.prefill`, oldest prompt first) that the runner runs in one forward after the
+batch's outputs are handed out. While any session is live, a plan carries at most `prefill_rows` frames, sized so
+that the prefill fits in what a frame leaves after the step (`Runner.warm_up`): the live sessions keep their pace.
+With no live session it carries up to `max_prefill_rows`.
+
 A closed session's slot and pages come back at once, or after the step when one is running with it, so a session
 closed from another thread mid-step is simply dropped from that step's outputs. The scheduler is the sessions'
 `SessionHost`: one lock guards its state and theirs.
@@ -20,7 +26,8 @@ from dataclasses import dataclass
 from .config import SamplingParams
 from .errors import CapacityError
 from .kv_cache import PagedKVCache
-from .plan import StepPlan, StepResult
+from .persona import PersonaPrompt, PromptChunk
+from .plan import PrefillResult, StepPlan, StepResult
 from .session import Session, SessionOutput
 
 logger = logging.getLogger(__name__)
@@ -38,8 +45,18 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kv: PagedKVCache, frame_size: int, max_pending_frames: int, max_output_frames: int) -> None:
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        frame_size: int,
+        max_pending_frames: int,
+        max_output_frames: int,
+        max_prefill_rows: int = 512,
+        persona: bool = False,
+    ) -> None:
         self.kv, self.frame_size = kv, frame_size
+        self.persona = persona  # the model takes persona prompts (PersonaPlex)
+        self.max_prefill_rows = self.prefill_rows = max_prefill_rows
         self.max_pending_frames, self.max_output_frames = max_pending_frames, max_output_frames
         self.num_slots = kv.num_slots
         self.lock = threading.Lock()
@@ -49,10 +66,11 @@ class Scheduler:
         self._ended: list[Session] = []  # closed sessions whose slot has not been released yet
         self._fresh: list[Session] = []  # admitted sessions whose slot the runner has not reset yet
         self._retuned: list[Session] = []  # sessions whose sampling changed since the last plan
+        self._prompting: list[Session] = []  # sessions whose persona prompt is not all prefilled, oldest first
         self._in_flight: set[Session] = set()  # sessions of the plan being executed
         self._running = False
         self._drop_listeners: list[Callable[[str, int], None]] = []
-        self.refused = self.steps = self.frames_in = self.frames_out = 0
+        self.refused = self.steps = self.frames_in = self.frames_out = self.prompt_rows = 0
 
     # ------------------------------------------------------------------------------------------- SessionHost
 
@@ -65,6 +83,18 @@ class Scheduler:
 
     def session_ended(self, session: Session) -> None:
         self._ended.append(session)
+        self._work.notify()
+
+    def prompt_requested(self, session: Session, prompt: PersonaPrompt) -> None:
+        if not self.persona:
+            raise ValueError("a persona prompt needs a PersonaPlex model, and this engine's model is not one")
+        if prompt.calls > self.kv.context:
+            raise ValueError(
+                f"the persona prompt is {prompt.calls} frames, longer than the model's window of {self.kv.context}"
+            )
+        frames = None if session.max_frames is None else session.max_frames + prompt.forwards
+        self.kv.reserve(session.slot, frames)
+        self._prompting.append(session)
         self._work.notify()
 
     def frames_dropped(self, direction: str, count: int) -> None:
@@ -149,6 +179,8 @@ class Scheduler:
             self._free_slots.append(session.slot)
             if session in self._fresh:
                 self._fresh.remove(session)
+            if session in self._prompting:
+                self._prompting.remove(session)
         self._ended = keep
 
     # ------------------------------------------------------------------------------------------- steps
@@ -161,6 +193,7 @@ class Scheduler:
                 self._running
                 and not self._fresh
                 and not self._retuned
+                and not any(s.prompting for s in self._prompting)
                 and not any(s.has_frame() for s in self._sessions.values())
             ):
                 self._work.wait()
@@ -176,14 +209,32 @@ class Scheduler:
                     batch.append(session)
                     frames.append(taken[0])
                     arrivals.append(taken[1])
-            self._in_flight = {*fresh, *retuned, *batch}
+            prefill, prompting = self._prefill()
+            self._in_flight = {*fresh, *retuned, *batch, *prompting}
             return StepPlan(
                 tuple((s.slot, s.params) for s in fresh),
                 tuple((s.slot, s.params) for s in retuned),
                 tuple(s.slot for s in batch),
                 tuple(frames),
                 tuple(arrivals),
+                prefill,
             )
+
+    def _prefill(self) -> tuple[tuple[PromptChunk, ...], list[Session]]:
+        """The next prompt frames, oldest prompt first, within this plan's budget of rows."""
+        self._prompting = [s for s in self._prompting if s.prompting]
+        live = any(not s.closed and not s.prompting for s in self._sessions.values())
+        budget = self.prefill_rows if live else self.max_prefill_rows
+        chunks, sessions = [], []
+        for session in self._prompting:
+            if budget <= 0:
+                break
+            assert session.prompt is not None
+            rows = min(session.prompt.forwards - session.prompted, budget)
+            chunks.append(PromptChunk(session.slot, session.prompt, session.prompted, session.prompted + rows))
+            sessions.append(session)
+            budget -= rows
+        return tuple(chunks), sessions
 
     def finish(self, plan: StepPlan, result: StepResult) -> None:
         """Hand `result` to the sessions of `plan`'s batch; a failed step ends them ("engine_error")."""
@@ -208,6 +259,22 @@ class Scheduler:
                     )
                     self.frames_out += 1
                 dropped += session.stepped(output)
-            self._in_flight = set()  # before the lock goes: a receiver may close and reopen at once
+            # Before the lock goes (a receiver may close and reopen at once); the prompts stay until prefilled.
+            self._in_flight = {self._sessions[c.slot] for c in plan.prefill}
         if dropped:
             self.frames_dropped("out", dropped)
+
+    def prefilled(self, plan: StepPlan, result: PrefillResult) -> None:
+        """Count `plan`'s prompt frames as run; a failed prefill ends its sessions ("engine_error")."""
+        if result.error is not None:
+            logger.error("prefill of %d prompts failed; ending them", len(plan.prefill), exc_info=result.error)
+        with self.lock:
+            for chunk in plan.prefill:
+                session = self._sessions[chunk.slot]
+                if result.error is not None:
+                    if not session.closed:
+                        session.end("engine_error")
+                    continue
+                session.prefilled(chunk.stop - chunk.start)
+                self.prompt_rows += chunk.stop - chunk.start
+            self._in_flight = set()

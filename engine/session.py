@@ -5,6 +5,9 @@ are received from asyncio (`await recv()`, bound to the loop that first waits) o
 session knows its engine only through `SessionHost` (a lock to share, its limits, and three notifications), and
 the engine drives it only through the methods under "engine side"; neither touches the other's state.
 
+A PersonaPlex session may open with a persona (`start_prompt`): until the engine has prefilled the prompt, its
+frames wait in the inbox and `until_live` waits (Kyutai's server sends its handshake after the prompt).
+
 Each frame's arrival time is taken when it is pushed and comes back on the output it produced, so the delay from
 input to answer is measured where both ends are known. Frames dropped at either bound are reported to the host as
 they happen.
@@ -12,6 +15,7 @@ they happen.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -24,6 +28,7 @@ import numpy as np
 from .config import SamplingParams
 from .errors import SessionClosed
 from .mailbox import Mailbox
+from .persona import PersonaPrompt
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,10 @@ class SessionHost(Protocol):
     def session_ended(self, session: Session) -> None:
         """`session` ended; give its slot back once no step holds it (lock held)."""
 
+    def prompt_requested(self, session: Session, prompt: PersonaPrompt) -> None:
+        """Prefill `prompt` in `session`'s slot before its first frame (lock held); raises `ValueError` for a prompt
+        the model cannot take, `CapacityError` when its KV pages are not free."""
+
     def frames_dropped(self, direction: str, count: int) -> None:
         """`count` frames were dropped: "in" at the inbox bound, "out" at the outbox bound (any thread)."""
 
@@ -69,7 +78,11 @@ class Session:
         self._outbox = self._mailbox.items
         self.closed = False  # no more input: closed by the client or ended by the engine
         self.close_reason: str | None = None
-        self.steps = 0
+        self.prompt: PersonaPrompt | None = None  # the persona prompt it opened with
+        self.prompted = 0  # the prompt's forwards prefilled so far
+        self._live = threading.Event()  # set once the prompt is prefilled (at once without one) or the session ends
+        self._live.set()
+        self.steps = self.frames_taken = 0
         self.frames_in = self.frames_out = self.frames_dropped_in = self.frames_dropped_out = 0
 
     def __repr__(self) -> str:
@@ -114,6 +127,34 @@ class Session:
             self.params = params
             self._host.params_changed(self)
 
+    def start_prompt(self, prompt: PersonaPrompt) -> None:
+        """Open the conversation with a PersonaPlex persona: the engine prefills `prompt`, then the session goes
+        live; audio pushed meanwhile waits in the inbox. Non-blocking. `ValueError` when the session has already
+        stepped a frame or has a prompt, or the model cannot take this one; `CapacityError` when the KV pages for
+        the prompt's frames are not free."""
+        with self._lock:
+            if self.closed:
+                raise SessionClosed(f"session {self.id} has ended ({self.close_reason})")
+            if self.prompt is not None:
+                raise ValueError("this session already has a persona prompt")
+            if self.frames_taken:
+                raise ValueError(f"a persona is set before the conversation starts ({self.frames_taken} frames ran)")
+            self._host.prompt_requested(self, prompt)
+            self.prompt = prompt
+            self._live.clear()
+
+    @property
+    def prompting(self) -> bool:
+        """True until the persona prompt is prefilled (False without one, and once ended)."""
+        return self.prompt is not None and self.prompted < self.prompt.forwards and not self.closed
+
+    async def until_live(self) -> bool:
+        """Wait until the persona prompt is prefilled (True; at once without one) or the session ends (False)."""
+        if not self._live.is_set():
+            await asyncio.to_thread(self._live.wait)
+        with self._lock:
+            return not self.closed
+
     def close(self, reason: str = "client") -> None:
         """End the session now: pending input and undelivered output are discarded. Idempotent."""
         with self._lock:
@@ -138,11 +179,21 @@ class Session:
     # Called with the host's lock held.
 
     def has_frame(self) -> bool:
-        return bool(self._inbox) and not self.closed
+        return bool(self._inbox) and not self.closed and not self.prompting
 
     def take_frame(self) -> tuple[np.ndarray, float] | None:
-        """The oldest queued frame and its arrival time, or None."""
-        return self._inbox.popleft() if self._inbox and not self.closed else None
+        """The oldest queued frame and its arrival time, or None (also while the prompt is prefilled)."""
+        if not self.has_frame():
+            return None
+        self.frames_taken += 1
+        return self._inbox.popleft()
+
+    def prefilled(self, rows: int) -> None:
+        """`rows` more of the prompt's forwards ran; once all have, the session is live."""
+        assert self.prompt is not None
+        self.prompted += rows
+        if self.prompted >= self.prompt.forwards:
+            self._live.set()
 
     def stepped(self, output: SessionOutput | None) -> int:
         """One of this session's frames was stepped; `output` is its answer (None while the model warms up).
@@ -167,3 +218,4 @@ class Session:
         self._inbox.clear()
         self._host.session_ended(self)
         self._mailbox.wake()
+        self._live.set()
