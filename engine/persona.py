@@ -154,6 +154,11 @@ def role_prompt(cfg: LMConfig, voice: Voice, text: str, encode: Callable[[str], 
     if not text.strip():
         raise InputRefused("is empty", "text_prompt")
     tokens = encode(wrap_role_text(text))
+    if max(tokens) >= cfg.text_card:  # a tokenizer larger than the LM's vocabulary: the text could not be embedded
+        raise InputRefused(
+            f"has text the model cannot read: token {max(tokens)} is beyond its {cfg.text_card} text tokens",
+            "text_prompt",
+        )
     calls = prompt_calls(voice.frames, len(tokens))
     if calls >= cfg.context:
         raise InputRefused(

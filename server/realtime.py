@@ -213,7 +213,7 @@ class RealtimeAdapter(Adapter):
             await self.send_text(ev.error_event("invalid_value", message, param=ev.INSTRUCTIONS_PARAM))
             return
         logger.info(
-            "realtime session %s: persona voice %s, %d prompt frames",
+            "realtime session %s: persona fixed: voice %s, %d prompt frames",
             pump.session.id,
             persona.voice,
             persona.prompt.calls,

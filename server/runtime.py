@@ -165,8 +165,6 @@ class Runtime:
         error: CapacityError | None = None
         for engine in order:
             try:
-                if prompt is None:
-                    return engine.open_session(params, max_frames)
                 return engine.open_session(params, max_frames, prompt)
             except CapacityError as e:
                 error = e

@@ -327,7 +327,7 @@ def test_runtime_admits_on_the_engine_with_most_room():
         def stats(self) -> EngineStats:
             return EngineStats(2, 2 - self.room, self.room, 10, 0, 0, 0, 0, 0, "cpu")
 
-        def open_session(self, params, max_frames=None):
+        def open_session(self, params, max_frames=None, prompt=None):
             if self.full:
                 raise CapacityError("no KV pages")
             self.opened += 1

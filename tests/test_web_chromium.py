@@ -20,10 +20,10 @@ import pytest
 from duplexd.clients.audio import speech_like, write_wav
 from duplexd.clients.connection import ConnectOptions, open_connection
 
+from .browser import CHROMIUM, launch_args
 from .live_server import running_server
 from .speech import compose, needs_espeak, speak
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (.ci/run)")
 OUT = Path(__file__).resolve().parents[1] / "out"
@@ -48,19 +48,7 @@ def browser(tmp_path_factory):
     else:
         pcm = speech_like(4.0, seed=5)
     write_wav(str(wav), pcm)
-    args = [
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--use-fake-device-for-media-stream",
-        "--use-fake-ui-for-media-stream",
-        f"--use-file-for-fake-audio-capture={wav}",
-        "--autoplay-policy=no-user-gesture-required",
-    ]
+    args = launch_args(wav)
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         yield b
