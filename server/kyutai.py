@@ -4,6 +4,8 @@ Binary messages only: kind byte + payload. Audio is one continuous Ogg/Opus stre
 text is the model's raw piece per non-padding step. Sampling (repetition penalty and pad_mult included) comes
 from the Rust server's query parameters.
 Order on the wire: metadata (0x04 JSON), handshake (0x00) once admitted, then audio (0x01) and text (0x02).
+A PersonaPlex persona (`text_prompt`, `voice_prompt`, PersonaPlex's own names, or its defaults) starts at admission
+and the handshake waits for its prompt to have run, as PersonaPlex's server sends it after the prompt.
 Opt-in (`?transcribe=1`): JSON events about what the user says (speech started/stopped, transcripts) on the ping
 kind (0x06), which Kyutai's own clients ignore; a server that cannot transcribe says so once and goes on.
 Kinds a client may send besides audio (handshake, control, ping, ...) are accepted and ignored, as the

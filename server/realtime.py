@@ -9,6 +9,11 @@ the conversation goes on. Malformed JSON or base64, binary frames and unknown ev
 an `error` event and a close code; turn-taking events get a non-fatal `unsupported_event`, and a bad session
 update a non-fatal `invalid_value` naming the parameter.
 
+A PersonaPlex model with voices gives each session a persona: `session.instructions` (the role text) and
+`session.voice` (a voice from `/v1/models`), PersonaPlex's defaults until set, or `text_prompt` / `voice_prompt` in
+the query. It may change until the first `input_audio_buffer.append`, which fixes it and starts its prompt before
+that audio is queued; a change after that is a non-fatal `persona_locked`. Other models ignore both, as before.
+
 Transcription of the user's speech (when the server has a transcriber, `--transcribe`): a `session.update` with
 `input_audio_transcription` (or GA `audio.input.transcription`) starts it, `null` stops it. Each utterance the
 service's VAD finds becomes one user item: `input_audio_buffer.speech_started`, `.speech_stopped`, `.committed`,

@@ -6,6 +6,9 @@ answered with a non-fatal `unsupported_event` error. Sampling is a duplexd exten
 `session.sampling = {text_temperature, text_topk, audio_temperature, audio_topk, seed, repetition_penalty,
 repetition_penalty_context, pad_mult}`.
 
+A PersonaPlex persona: `session.instructions` (the role text) and `session.voice` (GA `session.audio.output.voice`),
+shown in the session object only where one applies (`server.realtime` fixes it at the first audio).
+
 Transcription of the user's speech (`server.realtime` runs it): `session.input_audio_transcription` (beta) or
 `session.audio.input.transcription` (GA) = `{model, language, prompt}` turns it on, `null` off. Its events are
 those of OpenAI's server VAD mode (speech started/stopped, the committed user item, the transcript), built below.

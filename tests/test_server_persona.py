@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import json
+import logging
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2
@@ -28,17 +32,18 @@ import pytest
 import torch
 from websockets.asyncio.client import connect
 
+from duplexd.cli import main
 from duplexd.clients.audio import write_wav
 from duplexd.clients.chat import chat
 from duplexd.clients.connection import ConnectOptions, Refused, Sampling, open_connection
 from duplexd.engine.checkpoint import load_lm, load_mimi
 from duplexd.engine.config import MIMI_PRESETS, SamplingParams
 from duplexd.engine.demo import ensure_demo
-from duplexd.engine.persona import role_prompt
+from duplexd.engine.persona import Voice, role_prompt
 from duplexd.engine.pipeline import Pipeline
 from duplexd.engine.tokenizer import TextTokenizer
-from duplexd.engine.voices import load_preset
-from duplexd.server.persona import DEFAULT_TEXT
+from duplexd.engine.voices import VoiceLibrary, load_preset
+from duplexd.server.persona import DEFAULT_TEXT, KYUTAI, REALTIME, PersonaRefused, Personas
 from duplexd.wire import pcm16, pcm_from_pcm16, split_frames
 
 from .browser import CHROMIUM, launch_args
@@ -107,6 +112,46 @@ async def _refusal(options: ConnectOptions) -> Refused:
     return refused.value
 
 
+# ----------------------------------------------------------------------------------------------- Personas
+
+
+def _library(*specs: tuple[str, int]) -> VoiceLibrary:
+    """Audio-kind voices of `frames` each (their codes are random: the prompt's layout is tested elsewhere)."""
+    return VoiceLibrary(
+        {name: Voice(name, Path(name), frames, codes=torch.tensor(_codes(1, frames))) for name, frames in specs}
+    )
+
+
+def test_personas_defaults_refusals_and_cache(caplog):
+    tokenizer = TextTokenizer(ensure_demo().tokenizer)
+    with caplog.at_level(logging.INFO):
+        personas = Personas(CFG, tokenizer, _library(*((f"v{i:02d}.wav", 2) for i in range(12)), ("v00.pt", 3)))
+    assert personas.default is not None and personas.default.voice == "v00.pt"  # the first: no NATF0.pt
+    assert "no NATF0.pt among the voices; the default voice is v00.pt" in caplog.text
+    assert personas.default.text == DEFAULT_TEXT
+    with pytest.raises(PersonaRefused) as unknown:
+        personas.resolve(None, "nobody", REALTIME)
+    assert unknown.value.option == "session.voice" and str(unknown.value).startswith(
+        "session.voice: unknown voice 'nobody'; this server has v00.pt, v00.wav, v01.wav"
+    )
+    assert str(unknown.value).endswith("and 3 more (GET /v1/models)")
+    with pytest.raises(PersonaRefused, match="unknown voice 'v00'"):  # two files share the stem: ambiguous
+        personas.resolve(None, "v00", KYUTAI)
+    one = personas.resolve(ROLE, "v03", KYUTAI)  # an unambiguous stem
+    assert one is not None and one.voice == "v03.wav" and one.text == ROLE
+    assert personas.resolve(ROLE, "v03.wav", KYUTAI).prompt is one.prompt  # built once
+    with pytest.raises(PersonaRefused, match=r"^session.instructions is empty$"):
+        personas.resolve(" ", None, REALTIME)
+    with pytest.raises(PersonaRefused, match="has text the model cannot read: token"):  # a tokenizer too large
+        Personas(dataclasses.replace(CFG, text_card=300), tokenizer, _library(("NATF0.pt", 2)))  # at start-up
+    off, no_voices = Personas.off(), Personas(CFG, tokenizer, None)
+    assert off.resolve(None, None, KYUTAI) is None and no_voices.resolve(None, None, KYUTAI) is None
+    with pytest.raises(PersonaRefused, match="need a PersonaPlex model"):
+        off.resolve(ROLE, None, KYUTAI)
+    with pytest.raises(PersonaRefused, match="^voice_prompt: this server has no voices"):
+        no_voices.resolve(None, "NATF0.pt", KYUTAI)
+
+
 # ----------------------------------------------------------------------------------------------- /v1/models
 
 
@@ -139,8 +184,8 @@ def test_kyutai_handshake_comes_after_the_prompt(server):
 def test_kyutai_persona_changes_the_answer_and_reproduces(server):
     def run(role: str) -> tuple[str, np.ndarray, dict]:
         options = _options(server, sampling=GREEDY, text_prompt=role, voice_prompt="NATF0.pt")
-        result = asyncio.run(chat(_input(1.5), options, fast=True, output_delay=0))
-        assert result.frames_received >= 12 and not result.errors, result  # Ogg holds the last pages back
+        result = asyncio.run(chat(_input(1.0), options, fast=True, output_delay=0))
+        assert result.frames_received >= 8 and not result.errors, result  # Ogg holds the last pages back
         return result.text, result.pcm, result.info
 
     text, pcm, info = run(ROLE)
@@ -299,6 +344,8 @@ def test_realtime_persona_is_locked_once_audio_flows(server):
             assert (await event("session.updated"))["session"]["instructions"] == ROLE
             await send({"type": "session.update", "session": {"instructions": OTHER_ROLE}})
             locked = await event("error")
+            await send({"type": "session.update", "session": {"audio": {"output": {"voice": "VARM1.pt"}}}})
+            assert (await event("error"))["error"]["param"] == "session.audio.output.voice"  # GA's place too
             for frame in frames[4:]:
                 await send({"type": "input_audio_buffer.append", "audio": _b64(frame)})
             deadline = time.monotonic() + 10
@@ -317,7 +364,34 @@ def test_realtime_persona_is_locked_once_audio_flows(server):
     assert "persona fixed: voice NATF0.pt" in server.log.read_text()
 
 
+def test_chat_cli_takes_a_persona(server, tmp_path, capsys):
+    write_wav(str(tmp_path / "in.wav"), _input(0.4))
+    for protocol in ("kyutai", "realtime"):
+        args = ["chat", str(tmp_path / "in.wav"), "--out", str(tmp_path / "out.wav"), "--url", server.url, "--fast"]
+        args += ["--protocol", protocol, "--text-prompt", ROLE, "--voice-prompt", "VARM1"]
+        assert main(args) == 0
+        err = capsys.readouterr().err
+        assert f"persona: voice VARM1.pt, role text {ROLE!r}" in err, err
+    args = ["chat", str(tmp_path / "in.wav"), "--out", str(tmp_path / "out.wav"), "--url", server.url]
+    assert main([*args, "--protocol", "realtime", "--voice-prompt", "nobody"]) == 1
+    assert "persona refused: invalid_value: session.voice: unknown voice 'nobody'" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------- other servers
+
+
+@contextlib.contextmanager
+def _started(*servers: contextlib.AbstractContextManager) -> Iterator[list]:
+    """Several `running_server`s started at once (their loading and warm-up overlap), all stopped at the end."""
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(server.__enter__) for server in servers]
+        live = []
+        for server, future in zip(servers, futures, strict=True):
+            with contextlib.suppress(BaseException):
+                live.append(future.result())
+                stack.push(server.__exit__)
+        assert len(live) == len(servers), "a server did not start (its log says why)"
+        yield live
 
 
 def test_a_persona_needs_voices_and_a_personaplex_model(files, tmp_path_factory):
@@ -327,10 +401,10 @@ def test_a_persona_needs_voices_and_a_personaplex_model(files, tmp_path_factory)
     env = _env(tmp_path_factory)
     plain_log = tmp_path_factory.mktemp("pp_no_voices") / "serve.log"
     demo_log = tmp_path_factory.mktemp("demo") / "serve.log"
-    with (
-        running_server(plain_log, *flags, "--max-sessions", "1", env=env) as plain,
-        running_server(demo_log, "--max-sessions", "1", env=env) as demo,
-    ):
+    with _started(
+        running_server(plain_log, *flags, "--max-sessions", "1", env=env),
+        running_server(demo_log, "--max-sessions", "1", env=env),
+    ) as (plain, demo):
 
         async def scenario() -> tuple[Refused, Refused, Refused, dict, dict]:
             no_voices = await _refusal(_options(plain, text_prompt=ROLE))
