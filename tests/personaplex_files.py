@@ -8,6 +8,7 @@ loaded into the wrong place changes the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -30,6 +31,10 @@ PP_SMALL = LMConfig(
     depformer_num_layers=2,
     dep_q=16,
 )
+
+# PP_SMALL reading the demo tokenizer's whole vocabulary (546 pieces), as a server with the demo tokenizer needs: a
+# role text's token ids must be ones the LM can embed.
+PP_DEMO_TEXT = dataclasses.replace(PP_SMALL, text_card=546)
 
 
 def _step_of(key: str) -> int | None:

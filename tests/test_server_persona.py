@@ -48,12 +48,12 @@ from duplexd.wire import pcm16, pcm_from_pcm16, split_frames
 
 from .browser import CHROMIUM, launch_args
 from .live_server import running_server
-from .personaplex_files import PP_SMALL, write_personaplex
+from .personaplex_files import PP_DEMO_TEXT, write_personaplex
 from .personaplex_ref import preset_from_codes
 from .test_infer import speech_like
 
-# The demo tokenizer's vocabulary (546 pieces) for the text stream, and a window small enough to overflow.
-CFG = dataclasses.replace(PP_SMALL, text_card=546, context=160)
+# The demo tokenizer's vocabulary for the text stream, and a window small enough to overflow.
+CFG = dataclasses.replace(PP_DEMO_TEXT, context=160)
 ROLE = "You enjoy having a good conversation about the weather."
 OTHER_ROLE = "You are a pirate who only talks about the sea and ships."
 GREEDY = Sampling(text_temperature=0.0, audio_temperature=0.0)
@@ -74,6 +74,7 @@ def files(tmp_path_factory):
     torch.save(preset_from_codes(CFG, ref_lm, _codes(4, 6)), voices / "VARM1.pt")
     write_wav(str(voices / "guest.wav"), speech_like(0.6, 24000, seed=5)[:, 0])
     demo = ensure_demo()
+    assert TextTokenizer(demo.tokenizer).vocab_size == CFG.text_card
     flags = ["--moshi-weight", str(weights), "--mimi-weight", str(demo.mimi), "--tokenizer", str(demo.tokenizer)]
     flags += ["--config", str(root / "config.json"), "--mimi-preset", "demo"]
     return flags, root, voices

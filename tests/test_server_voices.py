@@ -17,7 +17,7 @@ import torch
 from duplexd.engine.demo import ensure_demo
 
 from .live_server import running_server
-from .personaplex_files import PP_SMALL, write_personaplex
+from .personaplex_files import PP_DEMO_TEXT, write_personaplex
 from .personaplex_ref import preset_from_codes
 from .test_infer import speech_like
 
@@ -27,7 +27,7 @@ def checkpoint(tmp_path_factory):
     """The PersonaPlex LM's flags (demo Mimi and tokenizer: same codebooks, a vocabulary large enough), and the
     reference LM its weights hold."""
     root = tmp_path_factory.mktemp("pp_serve")
-    weights, ref_lm = write_personaplex(root, PP_SMALL, seed=2)
+    weights, ref_lm = write_personaplex(root, PP_DEMO_TEXT, seed=2)
     demo = ensure_demo()
     flags = ["--moshi-weight", str(weights), "--mimi-weight", str(demo.mimi), "--tokenizer", str(demo.tokenizer)]
     flags += ["--config", str(root / "config.json"), "--mimi-preset", "demo", "--max-sessions", "1"]
@@ -38,8 +38,8 @@ def test_serve_lists_its_voices(checkpoint, tmp_path):
     flags, ref_lm = checkpoint
     voices = tmp_path / "voices"
     voices.mkdir()
-    codes = torch.randint(0, PP_SMALL.card, (4, 8), generator=torch.Generator().manual_seed(3)).tolist()
-    torch.save(preset_from_codes(PP_SMALL, ref_lm, codes), voices / "NATF0.pt")
+    codes = torch.randint(0, PP_DEMO_TEXT.card, (4, 8), generator=torch.Generator().manual_seed(3)).tolist()
+    torch.save(preset_from_codes(PP_DEMO_TEXT, ref_lm, codes), voices / "NATF0.pt")
     sf.write(voices / "guest.wav", speech_like(0.6, 16000, seed=5), 16000)
     (voices / "notes.txt").write_text("not a voice: ignored")
     log = tmp_path / "serve.log"
