@@ -274,7 +274,10 @@ def test_prefill_makes_no_host_sync(monkeypatch):
     syncs = [op for op in host.ops if op.kind == "sync"]
     assert not syncs, "\n".join(map(str, syncs))
     made = {op.where.split(" ")[0] for op in host.ops}
-    assert made == {_line_of(lm_gen, "rows = self._upload(torch.tensor("), _line_of(kv_cache, "row = torch.from_numpy(")}, host.ops
+    assert made == {
+        _line_of(lm_gen, "rows = self._upload(torch.tensor("),
+        _line_of(kv_cache, "row = torch.from_numpy("),
+    }, host.ops
 
 
 def _line_of(module, text: str) -> str:
