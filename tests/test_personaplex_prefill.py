@@ -198,6 +198,7 @@ def test_engine_prefills_in_chunks_beside_a_live_session(models, mimi):
         persona.push(persona_pcm)  # waits in the inbox until the prompt is in
         live.push(live_pcm[2 * size :])
         assert asyncio.run(asyncio.wait_for(persona.until_live(), 30)) and not persona.prompting
+        assert persona.prompt_seconds is not None and persona.prompt_seconds > 0
         persona_out = _outputs(persona, frames)
         live_out += _outputs(live, frames - 2)
         assert not persona.prompting and persona.prompted == prompt.forwards
