@@ -216,15 +216,20 @@ class LMGen:
 
     def prompt_rows(self, prompt: PersonaPrompt, start: int, stop: int) -> torch.Tensor:
         """The summed input embeddings [stop - start, dim] of the prompt's forwards start..stop-1."""
-        device, dtype = self.offsets.device, self.model.text_emb.dtype
+        dtype = self.model.text_emb.dtype
         stored = 0 if prompt.embeddings is None else len(prompt.embeddings)
         parts = []
         if prompt.embeddings is not None and start < stored:
-            parts.append(prompt.embeddings[start : min(stop, stored)].to(device=device, dtype=dtype))
+            parts.append(self._upload(prompt.embeddings[start : min(stop, stored)]).to(dtype))
         if stop > stored:
-            columns = prompt.columns[max(start, stored) - stored : stop - stored]
-            parts.append(self.model.embed(columns.to(device, non_blocking=True)))
+            parts.append(self.model.embed(self._upload(prompt.columns[max(start, stored) - stored : stop - stored])))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, copied from pinned memory on CUDA so that the host never waits."""
+        if self._pin:
+            host = host.pin_memory()
+        return host.to(self.offsets.device, non_blocking=True)
 
     @torch.no_grad()
     def prefill(self, chunks: Sequence[PromptChunk]) -> None:
@@ -244,14 +249,11 @@ class LMGen:
                 raise ValueError(f"prompt rows {c.start}..{c.stop} out of 0..{c.prompt.forwards}")
             if c.prompt.calls > self.kv.context:
                 raise ValueError(f"a prompt of {c.prompt.calls} frames is longer than the window ({self.kv.context})")
-        device = self.offsets.device
         for c in chunks:
             if c.start == 0:  # its table row may have grown since its reset (`PagedKVCache.reserve`)
                 self.kv.upload(c.slot)
         x = torch.cat([self.prompt_rows(c.prompt, c.start, c.stop) for c in chunks])
-        rows = torch.tensor(
-            [[c.slot, p] for c in chunks for p in range(c.start, c.stop)], dtype=torch.long, pin_memory=self._pin
-        ).to(device, non_blocking=True)
+        rows = self._upload(torch.tensor([[c.slot, p] for c in chunks for p in range(c.start, c.stop)]))
         slots, positions = rows[:, 0], rows[:, 1]
         self.model.forward_embeddings(x, positions, self.kv, self.kv.batch(slots, positions))
         for c in chunks:
@@ -262,11 +264,12 @@ class LMGen:
         """Leave `slot` where the reference's LMGen is after a prompt: P - 1 forwards done (the first prompt frame
         has none), the ring holding the prompt's last columns with the agent's delayed codebooks of the next column
         forced. The next `step` is the first live frame; its output is padding and silence, as the reference's."""
-        cfg, ct, device = self.cfg, self.ring_size, self.offsets.device
+        cfg, ct = self.cfg, self.ring_size
         last = prompt.forwards  # column P - 1: the first live input
         self.ring[slot] = UNGENERATED
-        self.ring[slot, :, last % ct] = prompt.tail[0].to(device, non_blocking=True)
-        self.ring[slot, :, (last + 1) % ct] = prompt.tail[1].to(device, non_blocking=True)
+        tail = self._upload(prompt.tail)
+        self.ring[slot, :, last % ct] = tail[0]
+        self.ring[slot, :, (last + 1) % ct] = tail[1]
         delayed = self.delays[: cfg.agent_codebooks + 1] > 0
         self.forced[slot] = False
         self.forced[slot, :, (last + 1) % ct] = delayed

@@ -80,6 +80,8 @@ class Session:
         self.close_reason: str | None = None
         self.prompt: PersonaPrompt | None = None  # the persona prompt it opened with
         self.prompted = 0  # the prompt's forwards prefilled so far
+        self.prompt_seconds: float | None = None  # from `start_prompt` until the prompt was in
+        self._prompt_started = 0.0
         self._live = threading.Event()  # set once the prompt is prefilled (at once without one) or the session ends
         self._live.set()
         self.steps = self.frames_taken = 0
@@ -141,6 +143,7 @@ class Session:
                 raise ValueError(f"a persona is set before the conversation starts ({self.frames_taken} frames ran)")
             self._host.prompt_requested(self, prompt)
             self.prompt = prompt
+            self._prompt_started = time.monotonic()
             self._live.clear()
 
     @property
@@ -193,6 +196,7 @@ class Session:
         assert self.prompt is not None
         self.prompted += rows
         if self.prompted >= self.prompt.forwards:
+            self.prompt_seconds = time.monotonic() - self._prompt_started
             self._live.set()
 
     def stepped(self, output: SessionOutput | None) -> int:

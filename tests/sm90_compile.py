@@ -204,6 +204,24 @@ def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | Non
         recorder.context = f"LMGen.step B={batch}"
         with force_triton():
             gen.step(torch.arange(batch, device="meta"), user_codes)
+    drive_prefill(recorder, cfg)
+
+
+def drive_prefill(recorder: Recorder, cfg) -> None:
+    """`LMGen.prefill` of a PersonaPlex model (`cfg` with dep_q = 16): a whole 200-frame prompt and the first
+    chunk of another in one forward, as the engine plans them."""
+    from duplexd.engine.checkpoint import build_lm
+    from duplexd.engine.lm_gen import LMGen
+    from duplexd.engine.persona import PromptChunk, Voice, build_prompt
+    from duplexd.kernels.dispatch import force_triton
+
+    cfg = dataclasses.replace(cfg, dep_q=cfg.n_q)
+    gen = LMGen(build_lm(cfg, device="meta", dtype=torch.bfloat16), num_slots=2)
+    voice = Voice("v", None, 50, codes=torch.zeros(50, cfg.agent_codebooks, dtype=torch.long))  # type: ignore[arg-type]
+    prompt = build_prompt(cfg, voice, list(range(100, 238)))
+    recorder.context = f"LMGen.prefill {prompt.forwards}+64 rows"
+    with force_triton():
+        gen.prefill([PromptChunk(0, prompt, 0, prompt.forwards), PromptChunk(1, prompt, 0, 64)])
 
 
 def ints_set_to_one(recorder: Recorder) -> None:

@@ -6,6 +6,7 @@ runs; its refusals; and the prefill makes no host sync."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -184,8 +185,9 @@ def test_engine_prefills_in_chunks_beside_a_live_session(models, mimi):
         speech_like(frames * size / mimi.cfg.sample_rate, mimi.cfg.sample_rate, s)[:, 0] for s in (1, 2)
     )
     engine = Engine(model, mimi, config=EngineConfig(max_sessions=3, prefill_rows=4, threads=1))
-    steps = []
-    engine.on_step(steps.append)
+    chunks: list[int] = []
+    run = engine.runner.prefill
+    engine.runner.prefill = lambda plan: chunks.extend(c.stop - c.start for c in plan) or run(plan)  # type: ignore[method-assign]
     engine.start()
     try:
         live = engine.open_session(GREEDY)
@@ -195,11 +197,13 @@ def test_engine_prefills_in_chunks_beside_a_live_session(models, mimi):
         assert persona.prompting
         persona.push(persona_pcm)  # waits in the inbox until the prompt is in
         live.push(live_pcm[2 * size :])
+        assert asyncio.run(asyncio.wait_for(persona.until_live(), 30)) and not persona.prompting
+        assert persona.prompt_seconds is not None and persona.prompt_seconds > 0
         persona_out = _outputs(persona, frames)
         live_out += _outputs(live, frames - 2)
         assert not persona.prompting and persona.prompted == prompt.forwards
         assert engine.scheduler.prompt_rows == prompt.forwards
-        assert 0 < max(r.prompt_rows for r in steps) <= 4
+        assert sum(chunks) == prompt.forwards and max(chunks) == 4  # a session was live throughout
     finally:
         engine.stop()
     assert persona_out == _offline(model, mimi, persona_pcm, prompt)
@@ -245,10 +249,13 @@ def test_a_capped_session_reserves_its_prompt_pages_too(models, mimi):
     )
     engine.start()
     try:
+        rows = engine.scheduler.prefill_rows  # sized at warm-up: a power of two within the window
+        assert 1 <= rows <= engine.kv.context - 2 and rows & (rows - 1) == 0
         pages = engine.kv.pages_needed(8)
         session = engine.open_session(GREEDY, prompt=prompt)
         assert engine.kv.pages_used == engine.kv.pages_needed(8 + prompt.forwards) > pages
         session.close()
+        assert not asyncio.run(session.until_live())  # ended before its prompt was in
         engine.scheduler.release()
         engine.kv.allocate(1, 8 * (engine.kv.pages_free - 1))  # all but one page taken (slot 1 stays free)
         with pytest.raises(CapacityError, match="persona prompt"):
@@ -274,7 +281,10 @@ def test_prefill_makes_no_host_sync(monkeypatch):
     syncs = [op for op in host.ops if op.kind == "sync"]
     assert not syncs, "\n".join(map(str, syncs))
     made = {op.where.split(" ")[0] for op in host.ops}
-    assert made == {_line_of(lm_gen, "rows = torch.tensor("), _line_of(kv_cache, "row = torch.from_numpy(")}, host.ops
+    assert made == {
+        _line_of(lm_gen, "rows = self._upload(torch.tensor("),
+        _line_of(kv_cache, "row = torch.from_numpy("),
+    }, host.ops
 
 
 def _line_of(module, text: str) -> str:

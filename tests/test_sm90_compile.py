@@ -2,8 +2,8 @@
 
 The other kernel tests run Triton's interpreter, which never specialises an argument, so a kernel that breaks
 when an int argument is 1 (and becomes a compile-time constant) passes them all. tests/sm90_compile.py compiles
-what `LMGen.step` launches on the `meta` device for sm_90a, front end and ptxas, with no GPU; it runs in a
-subprocess because the kernels must be decorated without TRITON_INTERPRET.
+what `LMGen.step` and a PersonaPlex `LMGen.prefill` launch on the `meta` device for sm_90a, front end and ptxas,
+with no GPU; it runs in a subprocess because the kernels must be decorated without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
