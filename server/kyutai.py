@@ -16,7 +16,6 @@ error message (0x05) and a close code.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
@@ -156,7 +155,6 @@ async def chat(ws: WebSocket, ctx: Context) -> None:
         await adapter.send_bytes(protocol.metadata(metadata(ctx, pump, adapter.persona)))
         persona = adapter.persona
         if persona is not None:  # as PersonaPlex's server: the prompt runs, then the handshake
-            started = time.perf_counter()
             if not await pump.session.until_live():
                 return  # the session ended during its prompt: the pump tells the client why
             logger.info(
@@ -164,7 +162,7 @@ async def chat(ws: WebSocket, ctx: Context) -> None:
                 pump.session.id,
                 persona.voice,
                 persona.prompt.calls,
-                (time.perf_counter() - started) * 1000,
+                (pump.session.prompt_seconds or 0.0) * 1000,
             )
         await adapter.send_bytes(protocol.handshake())
         if unavailable:
