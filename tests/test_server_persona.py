@@ -56,6 +56,7 @@ from .test_infer import speech_like
 CFG = dataclasses.replace(PP_DEMO_TEXT, context=160)
 ROLE = "You enjoy having a good conversation about the weather."
 OTHER_ROLE = "You are a pirate who only talks about the sea and ships."
+OUT = Path(__file__).resolve().parents[1] / "out"
 GREEDY = Sampling(text_temperature=0.0, audio_temperature=0.0)
 
 
@@ -471,6 +472,8 @@ def test_browser_persona_box(server, page):
     assert page.inner_text("#persona-used") == "persona: voice guest.wav"
     assert page.get_attribute("#persona-used", "title") == OTHER_ROLE
     assert page.is_disabled("#voice_prompt")
+    OUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUT / "web-persona.png"), full_page=True)  # for a look (out/ is git-ignored)
     page.click("#stop")
     page.wait_for_selector("#state[data-state=idle]")
     assert "persona fixed: voice guest.wav" in server.log.read_text()

@@ -88,6 +88,7 @@ def frames(page) -> int:
 def test_talks_hears_and_reads_the_model(server, page, tmp_path):
     page.goto(server.url + "/")
     page.wait_for_selector("#demo-note:not([hidden])", timeout=10000)  # the server says it runs the demo model
+    assert page.is_hidden("#persona")  # the demo model takes no persona
     page.click("#start")
     page.wait_for_selector("#state[data-state=live]", timeout=15000)
     page.wait_for_function("Number(document.getElementById('frames-received').textContent) >= 30", timeout=20000)
