@@ -170,20 +170,21 @@ class RealtimeAdapter(Adapter):
         name, voice_param = voice if voice is not None else (None, ev.VOICE_PARAM)
         names = Names(ev.INSTRUCTIONS_PARAM, voice_param)
         try:
-            if self.persona_fixed and current is not None:
+            if self.persona_fixed and personas.available:
+                running = (current.text, current.voice) if current is not None else (None, None)
                 changed = [
                     param
                     for param, differs in (
-                        (ev.INSTRUCTIONS_PARAM, text is not None and text != current.text),
-                        (voice_param, name is not None and personas.voice_name(name, names) != current.voice),
+                        (ev.INSTRUCTIONS_PARAM, text is not None and text != running[0]),
+                        (voice_param, name is not None and personas.voice_name(name, names) != running[1]),
                     )
                     if differs
                 ]
                 if changed:
                     raise ev.RealtimeError(
                         "persona_locked",
-                        f"{changed[0]} is set before the audio starts: this session's persona (voice {current.voice}) "
-                        "was fixed by its first input_audio_buffer.append and stays for the whole session",
+                        f"{changed[0]} is set before the audio starts: this session's persona was fixed by its "
+                        "first input_audio_buffer.append and stays for the whole session",
                         event.event_id,
                         changed[0],
                     )
