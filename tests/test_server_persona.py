@@ -2,9 +2,11 @@
 checkpoint, one server for the module (2 slots).
 
 - Kyutai `/api/chat?text_prompt=..&voice_prompt=..`: the metadata says the persona, the handshake comes once the
-  prompt has run; at temperature 0 the same persona answers the same and another role text differently.
+  prompt has run; at temperature 0 the same persona answers the same, another role text differently, and the text
+  is the engine's offline path's (`Pipeline.prompt` then `Pipeline.step`, as `duplexd infer` runs) for the audio
+  the server decodes.
 - Realtime: `session.instructions` + `session.voice` before the first audio are applied, and the answer equals the
-  engine's offline path (`Pipeline.prompt` then `Pipeline.step`, as `duplexd infer` runs) on the same input;
+  engine's offline path on the same input (text, and speech within pcm16's rounding);
   changing them after the audio starts is `persona_locked`, an unknown voice `invalid_value`, and the session
   goes on either way.
 - Refusals (1007 with the reason): unknown voice, empty text, a prompt too long for the window, while another
@@ -29,6 +31,7 @@ from pathlib import Path
 import httpx2
 import numpy as np
 import pytest
+import sphn
 import torch
 from websockets.asyncio.client import connect
 
@@ -183,7 +186,18 @@ def test_kyutai_handshake_comes_after_the_prompt(server):
     assert info["text_prompt"] == ROLE and info["voice_prompt"] == "VARM1.pt"
 
 
-def test_kyutai_persona_changes_the_answer_and_reproduces(server):
+def _heard(pcm: np.ndarray) -> np.ndarray:
+    """The whole frames the server decodes from what the Kyutai client sends (Ogg/Opus, one message a frame)."""
+    writer, reader = sphn.OpusStreamWriter(24000), sphn.OpusStreamReader(24000)
+    decoded = np.concatenate([reader.append_bytes(writer.append_pcm(frame)) for frame in split_frames(pcm)])
+    whole = len(decoded) // 1920
+    return decoded[: whole * 1920].reshape(whole, 1920)
+
+
+def test_kyutai_persona_changes_the_answer_and_reproduces(server, files):
+    """At temperature 0: the same persona answers the same, another role text otherwise, and the text is what the
+    engine's offline path says for the audio the server decodes."""
+
     def run(role: str) -> tuple[str, np.ndarray, dict]:
         options = _options(server, sampling=GREEDY, text_prompt=role, voice_prompt="NATF0.pt")
         # All frames at once (Ogg holds the last input pages back: a window would wait on answers that cannot
@@ -198,6 +212,8 @@ def test_kyutai_persona_changes_the_answer_and_reproduces(server):
     assert info["voice_prompt"] == "NATF0.pt" and other_info["text_prompt"] == OTHER_ROLE
     assert text == again and np.array_equal(pcm, pcm_again)
     assert (text, pcm.tobytes()) != (other, pcm_other.tobytes())
+    expected, _ = _offline(files, ROLE, "NATF0.pt", _heard(_input(1.0)))
+    assert expected and text == expected
 
 
 def test_kyutai_default_persona(server):
