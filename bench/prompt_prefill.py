@@ -596,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_frames": prompt.calls,
         "repeats": args.repeats,
         "live_sessions": args.live,
+        "load_avg_start": round(os.getloadavg()[0], 2),  # a shared machine: other work slows both sides
     }
     bench = Bench(lm, mimi, args.device, args.threads, cuda)
     print(
@@ -638,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bench.close()
     out["seconds"] = round(time.perf_counter() - started, 1)
+    out["load_avg_end"] = round(os.getloadavg()[0], 2)
     # The goals: on a GPU the TTFO; on the CPU the ratio, and no late frame at all beside a prefill.
     late = out.get(f"late_frames_live{args.live}_prefill", 0)
     out["goal_met"] = (out["ttfo_prefill_ms"] <= 150.0 if cuda else out["ratio_prefill"] <= 0.1) and late == 0
