@@ -36,6 +36,9 @@ runs 8 + 1 sessions of it in real time. `--preset personaplex-7b`: PersonaPlex 7
 real Mimi config, random weights (the GPU suite's stage). Prompt: an audio voice of 50 frames (random codes) +
 6 + 6 silent frames + 138 random text tokens: `prompt.calls == 200`.
 
+On CUDA the "longest chunk" column is launch time only (the engine does not wait for a prefill); the TTFO and
+the delays are end to end there too.
+
 Prints tables and, as its last line, one JSON object (`ratio_prefill`: batch-1 prefill TTFO / frame-by-frame
 TTFO). After the batch-1 part it prints a partial JSON line too, so a run stopped later still leaves that.
 """
