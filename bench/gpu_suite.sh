@@ -5,16 +5,21 @@
 #   1. the Triton kernel table (bench/gpu_kernels.py);
 #   2. the capacity sweep (bench/gpu_capacity.py: moshi-7b, random bf16 weights, full 3000-frame windows, the grid
 #      1 8 32 48 64 72 80 then bisection up to what the KV pool admits);
-#   3. `duplexd serve --random-weights moshi-7b` with --max-sessions at the capacity found, and
-#      `duplexd loadtest --protocol realtime` with that many sessions for 60 s against it;
-#   4. summary.md with every table; the short summary is printed last.
+#   3. the persona prompt prefill (bench/prompt_prefill.py: PersonaPlex 7B's config, random bf16 weights, the real
+#      Mimi config: time from session open to the first live output with a 200-frame prompt, prefilled against one
+#      frame per step, at batch 1 and beside 8 live sessions; goal <= 150 ms);
+#   4. `duplexd serve --random-weights moshi-7b` with --max-sessions at the capacity found, and
+#      `duplexd loadtest --protocol realtime` with that many sessions for 45 s against it (60 s before stage 3
+#      took its time from it);
+#   5. summary.md with every table; the short summary is printed last.
 # Everything goes into one folder: $OUT if set, else bench/out/gpu-<date>. Each stage runs under its own timeout,
 # and all of them under SUITE_BUDGET seconds (default 460), so one stage hanging cannot eat the rest. The exit
 # status is that of the first stage that failed (0 when all passed).
 #
 # GPU_SUITE_DRY=1 runs the same stages on the CPU with the demo preset and tiny durations (a check of this script).
 # Other knobs: PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3), WHEELS (default .whl),
-# SITE (default /tmp/duplexd-site), DEVICE, LOAD_SECONDS, CAPACITY_ARGS (replaces the sweep's arguments).
+# SITE (default /tmp/duplexd-site), DEVICE, LOAD_SECONDS, CAPACITY_ARGS (replaces the sweep's arguments),
+# PREFILL_ARGS (replaces the prompt prefill bench's arguments).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -37,13 +42,19 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DUPLEXD_CACHE=${DUPLEXD_CACHE:-/tmp/d
 if [ "$DRY" = 1 ]; then
   PRESET=demo DEVICE=${DEVICE:-cpu} LOAD_SECONDS=${LOAD_SECONDS:-5}
   DEFAULT_CAPACITY="--preset demo --device $DEVICE --batches 1 2 4 --steps 20 --max-sessions 4 --granularity 1 --budget-ms 1000"
-  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_READY=60
+  DEFAULT_PREFILL="--preset demo --device $DEVICE --quick --threads 1 --no-reference"
+  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_PREFILL=60 T_READY=60
 else
-  PRESET=moshi-7b DEVICE=${DEVICE:-cuda:0} LOAD_SECONDS=${LOAD_SECONDS:-60}
+  PRESET=moshi-7b DEVICE=${DEVICE:-cuda:0} LOAD_SECONDS=${LOAD_SECONDS:-45}
   DEFAULT_CAPACITY="--preset moshi-7b --device $DEVICE --batches 1 8 32 48 64 72 80 --steps 200 --granularity 4"
-  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_READY=120
+  # Batch 1 three times, then one round beside 8 live sessions (a partial JSON line is printed in between, so a
+  # stage cut short still reports batch 1).
+  DEFAULT_PREFILL="--preset personaplex-7b --device $DEVICE --dtype bfloat16 --repeats 3 --live 8 --live-repeats 1
+    --baseline-s 2"
+  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120
 fi
 CAPACITY_ARGS=${CAPACITY_ARGS:-$DEFAULT_CAPACITY}
+PREFILL_ARGS=${PREFILL_ARGS:-$DEFAULT_PREFILL}
 FIRST_FAILURE=0
 
 say() { echo "[gpu_suite $(($(date +%s) - STARTED))s] $*"; }
@@ -177,9 +188,13 @@ stage gpu_kernels "$(allow "$T_KERNELS" 300)" "$PYTHON" bench/gpu_kernels.py
 tail -n 60 "$DIR/gpu_kernels.log" | grep -v '^{' | tail -n 45
 
 # shellcheck disable=SC2086
-stage gpu_capacity "$(allow "$T_CAPACITY" $((LOAD_SECONDS + 90)))" \
+stage gpu_capacity "$(allow "$T_CAPACITY" $((LOAD_SECONDS + 90 + T_PREFILL)))" \
   "$PYTHON" bench/gpu_capacity.py $CAPACITY_ARGS --out "$DIR"
 grep -E '^(batch |capacity|FAILED|note|models)' "$DIR/gpu_capacity.log" | tail -n 25
+
+# shellcheck disable=SC2086
+stage prompt_prefill "$(allow "$T_PREFILL" $((LOAD_SECONDS + 90)))" "$PYTHON" bench/prompt_prefill.py $PREFILL_ARGS
+grep -E '^(\||persona|batch 1|[0-9]+ live|no CUDA)' "$DIR/prompt_prefill.log" | tail -n 12
 
 read -r SESSIONS BASIS <<< "$(capacity)"
 if [ -n "${SESSIONS:-}" ]; then

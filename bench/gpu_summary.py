@@ -2,8 +2,10 @@
 
 Usage: python bench/gpu_summary.py DIR
 
-Reads what the stages left in DIR (stages.tsv, gpu_kernels.log's JSON line, gpu_capacity.json/.md, loadtest.json,
-serve_basis.txt) and tolerates any of them missing: a stage that failed or timed out says so instead of its table.
+Reads what the stages left in DIR (stages.tsv, gpu_kernels.log's JSON line, gpu_capacity.json/.md,
+prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt) and tolerates any of them missing: a stage that
+failed or timed out says so instead of its table (the prompt prefill bench prints a partial line after batch 1, so
+a run cut short still shows that).
 Standard library only, so it runs whatever else went wrong.
 """
 
@@ -84,6 +86,71 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
 
+def _cell(data: dict, key: str) -> str:
+    value = data.get(key)
+    return "–" if value is None else str(value)
+
+
+def prefill_table(data: dict | None) -> tuple[str, str]:
+    """(markdown, one-line verdict) from bench/prompt_prefill.py's last JSON line: time to the first live output of
+    a persona session (200-frame prompt), prefilled against one frame per step; goal <= 150 ms on a GPU."""
+    if data is None:
+        return "no result (see prompt_prefill.log)", "prompt prefill: no result"
+    if data.get("skipped"):
+        return f"skipped: {data['skipped']}", f"prompt prefill: skipped ({data['skipped']})"
+    live = data.get("live_sessions", 0)
+    key = f"live{live}"
+    lines = [
+        f"{data.get('preset')} ({data.get('model')}), {data.get('dtype')} on {data.get('device')}, "
+        f"{data.get('prompt_frames')}-frame prompt, median of {data.get('repeats')}"
+        + (" (PARTIAL: the live part did not finish)" if data.get("partial") else ""),
+        "",
+        "| sessions | TTFO prefill ms | TTFO frame-by-frame ms | ratio | prompt forwards (prefill / frame-by-frame) |",
+        "|---|---:|---:|---:|---:|",
+        f"| 1 | {_cell(data, 'ttfo_prefill_ms')} | {_cell(data, 'ttfo_frame_by_frame_ms')} | "
+        f"{_cell(data, 'ratio_prefill')} | {_cell(data, 'prefill_forwards')} / "
+        f"{_cell(data, 'frame_by_frame_forwards')} |",
+    ]
+    has_live = f"ttfo_prefill_{key}_ms" in data
+    if has_live:
+        lines.append(
+            f"| {live} live + 1 | {_cell(data, f'ttfo_prefill_{key}_ms')} | "
+            f"{_cell(data, f'ttfo_frame_by_frame_{key}_ms')} | {_cell(data, f'ratio_prefill_{key}')} | "
+            f"{_cell(data, f'forwards_{key}_prefill')} / {_cell(data, f'forwards_{key}_frame_by_frame')} |"
+        )
+        lines += [
+            "",
+            f"Live sessions' late frames (delay > 80 ms) while the prompt ran / in a baseline window with no prompt "
+            f"(prefill engine: {_cell(data, 'prefill_rows')} prompt frames per step beside live sessions):",
+            "",
+            "| engine | late | outputs | delay p99 ms | delay max ms | baseline late | baseline outputs |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for mode in ("prefill", "frame_by_frame"):
+            lines.append(
+                f"| {mode.replace('_', '-')} | {_cell(data, f'late_frames_{key}_{mode}')} | "
+                f"{_cell(data, f'outputs_{key}_{mode}')} | {_cell(data, f'delay_p99_{key}_{mode}_ms')} | "
+                f"{_cell(data, f'delay_max_{key}_{mode}_ms')} | {_cell(data, f'baseline_late_frames_{key}_{mode}')} | "
+                f"{_cell(data, f'baseline_outputs_{key}_{mode}')} |"
+            )
+    ttfo = data.get("ttfo_prefill_ms")
+    goal = data.get("ttfo_goal_ms")
+    verdict = f"prompt prefill: TTFO {_cell(data, 'ttfo_prefill_ms')} ms at batch 1 (frame by frame " + (
+        f"{_cell(data, 'ttfo_frame_by_frame_ms')} ms, ratio {_cell(data, 'ratio_prefill')})"
+    )
+    if goal is not None and ttfo is not None:
+        verdict += f": {'meets' if ttfo <= goal else 'MISSES'} the goal (<= {goal:g} ms)"
+    if has_live:
+        verdict += (
+            f"; beside {live} live sessions TTFO {_cell(data, f'ttfo_prefill_{key}_ms')} ms, "
+            f"{_cell(data, f'late_frames_{key}_prefill')} late frames (baseline "
+            f"{_cell(data, f'baseline_late_frames_{key}_prefill')})"
+        )
+    elif data.get("partial"):
+        verdict += "; the live part did not finish"
+    return "\n".join(lines), verdict
+
+
 def loadtest_table(data: dict | None) -> tuple[str, str]:
     if data is None:
         return "no result (see serve.log, loadtest.log)", "loadtest: no result"
@@ -148,6 +215,7 @@ def main(argv: list[str]) -> int:
     kernels, kernels_line = kernels_table(_json_line(run / "gpu_kernels.log"))
     capacity = _load(run / "gpu_capacity.json")
     capacity_md = (run / "gpu_capacity.md").read_text() if (run / "gpu_capacity.md").is_file() else "no result"
+    prefill, prefill_line = prefill_table(_json_line(run / "prompt_prefill.log"))
     load, load_line = loadtest_table(_load(run / "loadtest.json"))
     basis = (run / "serve_basis.txt").read_text().strip() if (run / "serve_basis.txt").is_file() else ""
     machine = (run / "machine.txt").read_text().strip() if (run / "machine.txt").is_file() else ""
@@ -169,6 +237,8 @@ def main(argv: list[str]) -> int:
                 kernels,
                 "## Capacity (bench/gpu_capacity.py)",
                 capacity_md.strip(),
+                "## Persona prompt prefill (bench/prompt_prefill.py)",
+                prefill,
                 f"## Load test against `duplexd serve --random-weights` ({basis or 'not run'})",
                 load,
             ]
@@ -178,7 +248,7 @@ def main(argv: list[str]) -> int:
     (run / "summary.md").write_text(doc)
     print(f"summary: {run / 'summary.md'}")
     print(stage_table)
-    for line in (kernels_line, capacity_verdict(capacity), load_line):
+    for line in (kernels_line, capacity_verdict(capacity), prefill_line, load_line):
         print(line)
     return 0
 

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from duplexd.kernels.decode_attention import decode_attention
+from duplexd.kernels.dispatch import use_triton
+from duplexd.kernels.prefill_attention import causal_paged_attention_torch
 
 from .errors import CapacityError
 
@@ -51,6 +53,9 @@ class PagedBatch:
     lengths: torch.Tensor  # [B] int32: positions + 1 (this step's key included)
     write_page: torch.Tensor  # [B] long: page of this step's key
     write_offset: torch.Tensor  # [B] long: its offset in the page
+    # Prefill only: (first row, end row, first position) of each run of consecutive positions of one slot, so that
+    # on CPU a run attends in one causal call instead of one decode query per row. None for a step.
+    runs: tuple[tuple[int, int, int], ...] | None = None
 
 
 class PagedKVCache:
@@ -156,17 +161,26 @@ class PagedKVCache:
 
     # ---------------------------------------------------------------------------------------- device side
 
-    def batch(self, slots: torch.Tensor, positions: torch.Tensor) -> PagedBatch:
+    def batch(
+        self, slots: torch.Tensor, positions: torch.Tensor, runs: tuple[tuple[int, int, int], ...] | None = None
+    ) -> PagedBatch:
         """The view for rows `slots` [B] (`scratch_slot` for padding) at `positions` [B] (device tensors; no host
-        synchronisation)."""
+        synchronisation); `runs` as in `PagedBatch`, from the host's own account of the rows."""
         table = self.tables[slots]
         ring = ((positions // self.page_size) % self.max_pages)[:, None]
         write_page = table.gather(1, ring)[:, 0].long()
-        return PagedBatch(table, (positions + 1).to(torch.int32), write_page, positions % self.page_size)
+        return PagedBatch(table, (positions + 1).to(torch.int32), write_page, positions % self.page_size, runs)
 
     def attend(self, layer: int, view: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's k, v [B, H, D] and attend q [B, H, D] to each row's window."""
         keys, values = self.keys[layer], self.values[layer]
         keys[view.write_page, view.write_offset] = k
         values[view.write_page, view.write_offset] = v
+        if view.runs is not None and not use_triton(q):
+            return torch.cat(
+                [
+                    causal_paged_attention_torch(q[a:b], keys, values, view.block_table[a], first, self.context)
+                    for a, b, first in view.runs
+                ]
+            )
         return decode_attention(q, keys, values, view.block_table, view.lengths, self.context)

@@ -24,6 +24,7 @@ keeps its value in place of the sampled one (the agent's delayed codebooks right
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -255,7 +256,15 @@ class LMGen:
         x = torch.cat([self.prompt_rows(c.prompt, c.start, c.stop) for c in chunks])
         rows = self._upload(torch.tensor([[c.slot, p] for c in chunks for p in range(c.start, c.stop)]))
         slots, positions = rows[:, 0], rows[:, 1]
-        self.model.forward_embeddings(x, positions, self.kv, self.kv.batch(slots, positions))
+        # Each chunk is a run of consecutive positions of one slot (one causal call on CPU); rows of one frame each
+        # are plain decode queries, so `prompt(chunk=1)` stays the reference's path, the prefill's oracle.
+        ends = list(itertools.accumulate(c.stop - c.start for c in chunks))
+        runs: tuple[tuple[int, int, int], ...] | None = tuple(
+            (end - (c.stop - c.start), end, c.start) for c, end in zip(chunks, ends, strict=True)
+        )
+        if len(chunks) == ends[-1]:
+            runs = None
+        self.model.temporal(x, positions, self.kv, self.kv.batch(slots, positions, runs))
         for c in chunks:
             if c.stop == c.prompt.forwards:
                 self.end_prompt(c.slot, c.prompt)

@@ -47,9 +47,9 @@ class Recorder:
     def __init__(self, model) -> None:
         self.rows: list[list[int] | None] = []
         self.inputs: list[torch.Tensor] = []
-        self._embed, self._forward = model.embed, model.forward_embeddings
+        self._embed, self._forward = model.embed, model.temporal
         self._last: list[int] | None = None
-        model.embed, model.forward_embeddings = self.embed, self.forward
+        model.embed, model.temporal = self.embed, self.forward
 
     def embed(self, tokens):
         self._last = tokens[0].tolist()
@@ -84,7 +84,7 @@ def _duplexd(model, voice: Voice, text, user=USER):
         for u in user:
             outs.append(gen.step(torch.tensor([1]), torch.tensor([u]), return_logits=True))
     finally:
-        model.embed, model.forward_embeddings = recorder._embed, recorder._forward
+        model.embed, model.temporal = recorder._embed, recorder._forward
     return recorder, outs
 
 

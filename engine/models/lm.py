@@ -141,6 +141,12 @@ class LMModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_text` from the summed input embeddings x [B, dim]: a PersonaPlex voice preset stores its
         prompt's first frames as such sums, not as tokens."""
+        h = self.temporal(x, positions, cache, view)
+        return h, matmul(h, self.text_head)
+
+    def temporal(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch) -> torch.Tensor:
+        """The temporal transformer over input embeddings x [B, dim], each row's key and value stored in the cache:
+        the post-`out_norm` hidden state [B, dim]. A prompt's prefill needs only this (its tokens are given)."""
         cfg = self.cfg
         heads, dh = cfg.num_heads, cfg.head_dim
         cos, sin = rope_angles(positions, dh, cfg.max_period)
@@ -154,7 +160,7 @@ class LMModel(nn.Module):
             h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
             next_norm = layers[i + 1].attn_norm if i < last else self.out_norm
             h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
-        return h, matmul(h, self.text_head)
+        return h
 
     def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
         """Run one sub-step per agent codebook; `sample(step, logits [B, card]) -> tokens [B]` picks each one.
