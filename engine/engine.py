@@ -93,6 +93,7 @@ class EngineStats:
     frames_out: int
     refused: int
     device: str
+    prompt_frames: int = 0  # persona prompt frames prefilled
 
 
 def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: int) -> int:
@@ -258,6 +259,11 @@ class Engine:
         self._listeners.append(callback)
         return lambda: self._listeners.remove(callback)
 
+    def on_prompted(self, callback: Callable[[float], None]) -> Callable[[], None]:
+        """Call `callback(seconds)` on the loop thread each time a persona prompt is in (seconds since it was
+        started). Returns a function that stops it."""
+        return self.scheduler.on_prompted(callback)
+
     def on_dropped(self, callback: Callable[[str, int], None]) -> Callable[[], None]:
         """Call `callback(direction, count)` when frames are dropped: "in" when a session's inbox is full (on the
         pushing thread), "out" when its outbox is (on the loop thread). Returns a function that stops it."""
@@ -297,4 +303,5 @@ class Engine:
             s.frames_out,
             s.refused,
             str(self.device),
+            s.prompt_frames,
         )

@@ -42,6 +42,7 @@ class SchedulerStats:
     steps: int
     frames_in: int
     frames_out: int
+    prompt_frames: int
 
 
 class Scheduler:
@@ -70,6 +71,7 @@ class Scheduler:
         self._in_flight: set[Session] = set()  # sessions of the plan being executed
         self._running = False
         self._drop_listeners: list[Callable[[str, int], None]] = []
+        self._prompt_listeners: list[Callable[[float], None]] = []
         self.refused = self.steps = self.frames_in = self.frames_out = self.prompt_rows = 0
 
     # ------------------------------------------------------------------------------------------- SessionHost
@@ -103,6 +105,11 @@ class Scheduler:
                 listener(direction, count)
             except Exception:
                 logger.exception("drop listener failed")
+
+    def on_prompted(self, callback: Callable[[float], None]) -> Callable[[], None]:
+        """Call `callback(seconds)` on the loop thread when a persona prompt is in: seconds since `start_prompt`."""
+        self._prompt_listeners.append(callback)
+        return lambda: self._prompt_listeners.remove(callback)
 
     def on_dropped(self, callback: Callable[[str, int], None]) -> Callable[[], None]:
         """Call `callback(direction, count)` whenever frames are dropped ("in": inbox full, "out": outbox full)."""
@@ -146,7 +153,14 @@ class Scheduler:
             active = sum(not s.closed for s in self._sessions.values())
             admissible = min(len(self._free_slots), self.kv.sessions_fit(session_frames))
             return SchedulerStats(
-                active, admissible, self.kv.pages_used, self.refused, self.steps, self.frames_in, self.frames_out
+                active,
+                admissible,
+                self.kv.pages_used,
+                self.refused,
+                self.steps,
+                self.frames_in,
+                self.frames_out,
+                self.prompt_rows,
             )
 
     def start(self) -> None:
@@ -268,6 +282,7 @@ class Scheduler:
         """Count `plan`'s prompt frames as run; a failed prefill ends its sessions ("engine_error")."""
         if result.error is not None:
             logger.error("prefill of %d prompts failed; ending them", len(plan.prefill), exc_info=result.error)
+        done = []
         with self.lock:
             for chunk in plan.prefill:
                 session = self._sessions[chunk.slot]
@@ -277,4 +292,12 @@ class Scheduler:
                     continue
                 session.prefilled(chunk.stop - chunk.start)
                 self.prompt_rows += chunk.stop - chunk.start
+                if session.prompt_seconds is not None and chunk.stop == chunk.prompt.forwards:
+                    done.append(session.prompt_seconds)
             self._in_flight = set()
+        for seconds in done:
+            for listener in self._prompt_listeners:
+                try:
+                    listener(seconds)
+                except Exception:
+                    logger.exception("prompt listener failed")

@@ -56,6 +56,7 @@ class _EngineCollector(Collector):
             "duplexd_engine_steps": ("engine steps", sum(s.steps for s in stats)),
             "duplexd_frames_in": ("80 ms frames the engine consumed", sum(s.frames_in for s in stats)),
             "duplexd_frames_out": ("80 ms frames the engine produced", sum(s.frames_out for s in stats)),
+            "duplexd_prompt_frames": ("persona prompt frames prefilled", sum(s.prompt_frames for s in stats)),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -103,6 +104,12 @@ class Metrics:
             buckets=TRANSCRIPT_BUCKETS,
             registry=registry,
         )
+        self.prompt_seconds = Histogram(
+            "duplexd_prompt_seconds",
+            "a persona prompt's start to its session going live (the prefill, beside live sessions)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.file_transcriptions = Counter(
             "duplexd_file_transcriptions",
             "POST /v1/audio/transcriptions requests, by outcome: completed or the error code",
@@ -131,6 +138,7 @@ class Metrics:
     def subscribe(self, runtime: Runtime) -> Callable[[], None]:
         stops = [engine.on_step(self.on_step) for engine in runtime.engines]
         stops += [engine.on_dropped(self.on_dropped) for engine in runtime.engines]
+        stops += [engine.on_prompted(self.prompt_seconds.observe) for engine in runtime.engines]
         if runtime.transcription is not None:
             stops.append(runtime.transcription.on_transcript(self.on_transcript))
 

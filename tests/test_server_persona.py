@@ -184,6 +184,10 @@ def test_kyutai_handshake_comes_after_the_prompt(server):
 
     info = asyncio.run(scenario())
     assert info["text_prompt"] == ROLE and info["voice_prompt"] == "VARM1.pt"
+    metrics = httpx2.get(f"{server.url}/metrics", timeout=5).text
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("duplexd_prompt"))
+    assert float(samples["duplexd_prompt_frames_total"]) > 0, metrics  # prefilled frames, all sessions so far
+    assert float(samples["duplexd_prompt_seconds_count"]) >= 1 and float(samples["duplexd_prompt_seconds_sum"]) > 0
 
 
 def _heard(pcm: np.ndarray) -> np.ndarray:

@@ -251,6 +251,9 @@ class _FakeEngine:
     def on_dropped(self, callback):
         return lambda: None
 
+    def on_prompted(self, callback):
+        return lambda: None
+
     def stats(self) -> EngineStats:
         return EngineStats(2, 0, 2, 10, 0, 0, 0, 0, 0, "cpu")
 

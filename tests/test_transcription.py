@@ -285,14 +285,16 @@ def test_a_dead_thread_fails_what_is_in_flight_and_refuses_new_work(gemma4_folde
     try:
         stream = service.open_stream()
         feed([(stream, pcm)])
-        events = [stream.get(60) for _ in range(4)]
-        assert [(type(e), e.item) for e in events] == [
-            (SpeechBegan, 0),
-            (SpeechEnded, 0),
-            (TranscriptFailed, 0),  # the utterance in flight
-            (TranscriptFailed, 1),  # one that never began: the transcriber itself failed
-        ]
-        assert all("tower on fire" in e.reason for e in events[2:])
+        events = []
+        while not events or (type(events[-1]), events[-1].item) != (TranscriptFailed, 1):
+            events.append(stream.get(60))
+        kinds = [(type(e), e.item) for e in events]
+        # The utterance in flight fails, then one that never began (the transcriber itself failed). Its
+        # speech_stopped comes first only when the thread took the whole utterance in one round, before any audio
+        # reached the tower: how the frames were taken depends on the machine's speed.
+        assert kinds[0] == (SpeechBegan, 0) and kinds[-2:] == [(TranscriptFailed, 0), (TranscriptFailed, 1)], kinds
+        assert kinds[1:-2] in ([], [(SpeechEnded, 0)]), kinds
+        assert all("tower on fire" in e.reason for e in events[-2:])
         with pytest.raises(CapacityError, match="tower on fire"):
             service.open_stream()
         with pytest.raises(CapacityError, match="tower on fire"):
