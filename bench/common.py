@@ -4,6 +4,7 @@ side-by-side table."""
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -14,7 +15,20 @@ from typing import TypeVar
 import torch
 from safetensors.torch import save_file
 
+from duplexd.engine.config import LMConfig
+
 T = TypeVar("T")
+
+# Mid-size LM: d_model 1024 × 8 layers, DepFormer 512 × 2 layers, real vocabularies and context.
+MID_LM = LMConfig(
+    dim=1024,
+    num_heads=16,
+    num_layers=8,
+    depformer_dim=512,
+    depformer_dim_feedforward=int(4.125 * 512),
+    depformer_num_heads=8,
+    depformer_num_layers=2,
+)
 
 
 def through_checkpoint(state_dict: dict[str, torch.Tensor], load: Callable[[Path], torch.nn.Module]):
@@ -23,6 +37,16 @@ def through_checkpoint(state_dict: dict[str, torch.Tensor], load: Callable[[Path
         path = Path(tmp) / "weights.safetensors"
         save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path))
         return load(path)
+
+
+def cuda_missing(device: str, bench: str, hint: str) -> bool:
+    """True when `device` is CUDA and there is none; says so (the JSON line last, as every bench ends), so a GPU
+    bench started on the wrong machine exits 0 with a reason rather than a traceback."""
+    if not device.startswith("cuda") or torch.cuda.is_available():
+        return False
+    print(f"no CUDA device: nothing to measure ({hint})")
+    print(json.dumps({"bench": bench, "skipped": "no CUDA device"}))
+    return True
 
 
 def side_by_side(run: Callable[[int], tuple[float, float]], result: dict, batches=(1, 4)) -> None:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.common import cuda_missing  # noqa: E402
 from duplexd.engine.config import PRESETS, ConfigError, SamplingParams  # noqa: E402
 from duplexd.engine.engine import Engine, EngineConfig, EngineStats, StepRecord, pool_pages  # noqa: E402
 from duplexd.engine.errors import CapacityError, SessionClosed  # noqa: E402
@@ -453,9 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure (try --preset demo --device cpu for a dry run)")
-        print(json.dumps({"bench": "gpu_capacity", "skipped": "no CUDA device"}))
+    if cuda_missing(args.device, "gpu_capacity", "try --preset demo --device cpu for a dry run"):
         return 0
     if not cuda:
         torch.set_num_threads(1)  # CPU dry run: torch work beside the engine's loop thread stays single-threaded

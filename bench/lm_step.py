@@ -17,22 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 
-from bench.common import median_ms, parse_args, side_by_side, through_checkpoint  # noqa: E402
+from bench.common import MID_LM, median_ms, parse_args, side_by_side, through_checkpoint  # noqa: E402
 from duplexd.engine.checkpoint import load_lm  # noqa: E402
-from duplexd.engine.config import LMConfig, SamplingParams  # noqa: E402
+from duplexd.engine.config import SamplingParams  # noqa: E402
 from duplexd.engine.lm_gen import LMGen  # noqa: E402
 from tests.ref_models import reference_lm  # noqa: E402
 
-# Mid-size: d_model 1024 × 8 layers, DepFormer 512 × 2 layers, real vocabularies and context.
-CONFIG = LMConfig(
-    dim=1024,
-    num_heads=16,
-    num_layers=8,
-    depformer_dim=512,
-    depformer_dim_feedforward=int(4.125 * 512),
-    depformer_num_heads=8,
-    depformer_num_layers=2,
-)
+CONFIG = MID_LM
 # The reference LMGen defaults, used on both sides.
 PARAMS = SamplingParams(text_temperature=0.7, text_topk=25, audio_temperature=0.8, audio_topk=250)
 

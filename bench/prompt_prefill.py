@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.common import MID_LM, cuda_missing  # noqa: E402
 from duplexd.engine.checkpoint import build_lm  # noqa: E402
 from duplexd.engine.config import (  # noqa: E402
     DEMO,
@@ -78,6 +79,7 @@ from duplexd.engine.config import (  # noqa: E402
     MimiConfig,
     SamplingParams,
 )
+from duplexd.engine.demo import draw_random_  # noqa: E402
 from duplexd.engine.engine import Engine, EngineConfig  # noqa: E402
 from duplexd.engine.models.lm import LMModel  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel  # noqa: E402
@@ -94,16 +96,7 @@ MODES = (PREFILL, FRAME_BY_FRAME)
 # The engine setting of each mode: the default sizing, or one prompt frame per step whatever else runs.
 MODE_CONFIG: dict[str, dict[str, Any]] = {PREFILL: {}, FRAME_BY_FRAME: {"prefill_rows": 1, "max_prefill_rows": 1}}
 SEED = 17
-LARGE = LMConfig(
-    dim=1024,
-    num_heads=16,
-    num_layers=8,
-    depformer_dim=512,
-    depformer_dim_feedforward=int(4.125 * 512),
-    depformer_num_heads=8,
-    depformer_num_layers=2,
-    dep_q=16,
-)
+LARGE = dataclasses.replace(MID_LM, dep_q=16)  # the lm_step size, as PersonaPlex
 PRESETS: dict[str, tuple[LMConfig, MimiConfig]] = {
     "demo": (dataclasses.replace(DEMO, dep_q=16, text_card=32000), DEMO_MIMI),
     "personaplex-7b": (PERSONAPLEX_7B, MIMI),
@@ -117,21 +110,12 @@ def describe(cfg: LMConfig) -> str:
 # ---------------------------------------------------------------------------------------------------- models
 
 
-@torch.no_grad()
 def random_models(
     cfg: LMConfig, mimi_cfg: MimiConfig, device: str, dtype: torch.dtype, seed: int = SEED
 ) -> tuple[LMModel, MimiModel]:
-    """The LM in `dtype` with weights drawn on the device by `engine.demo.random_lm`'s rule (N(0, 1/fan_in)
-    matrices, N(0, 1) embeddings, unit norms), so a 7B model is ready in seconds; Mimi in fp32."""
-    lm = build_lm(cfg, device=device, dtype=dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in lm.named_parameters():
-        if name.endswith("norm"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 1.0 if "emb" in name else p.shape[-1] ** -0.5, generator=gen)
-    mimi = MimiModel(mimi_cfg).init_weights_(seed).to(device)
-    return lm, mimi
+    """The LM in `dtype` with random weights drawn on the device (`engine.demo.draw_random_`); Mimi in fp32."""
+    lm = draw_random_(build_lm(cfg, device=device, dtype=dtype), seed)
+    return lm, MimiModel(mimi_cfg).init_weights_(seed).to(device)
 
 
 def persona_prompt(cfg: LMConfig, voice_frames: int, text_tokens: int, seed: int = SEED) -> PersonaPrompt:
@@ -576,9 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure (run without --device cuda for the CPU bench)")
-        print(json.dumps({"bench": "prompt_prefill", "skipped": "no CUDA device"}))
+    if cuda_missing(args.device, "prompt_prefill", "run without --device cuda for the CPU bench"):
         return 0
     torch.set_num_threads(1)  # torch work beside the engine's loop thread stays single-threaded (engine.engine)
     started = time.perf_counter()

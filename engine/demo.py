@@ -75,6 +75,20 @@ def random_lm(cfg: LMConfig, seed: int) -> LMModel:
     return model
 
 
+@torch.no_grad()
+def draw_random_(lm: LMModel, seed: int) -> LMModel:
+    """`random_lm`'s rule (N(0, 1/fan_in) matrices, N(0, 1) embeddings, unit norms) drawn on the model's own device
+    and dtype: a 7B model is ready in seconds, with the released shapes, so its step costs what the real one does.
+    Benchmarks and `--random-weights` use it; tests want `random_lm` (the same numbers on every machine)."""
+    gen = torch.Generator(device=lm.text_emb.device).manual_seed(seed)
+    for name, p in lm.named_parameters():
+        if name.endswith("norm"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 1.0 if "emb" in name else p.shape[-1] ** -0.5, generator=gen)
+    return lm
+
+
 def ensure_demo(root: Path | None = None) -> DemoFiles:
     """Write the demo files if they are not there yet; return their paths."""
     root = (root or cache_root()) / f"demo-v{DEMO_VERSION}"

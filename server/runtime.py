@@ -18,7 +18,7 @@ import torch
 
 from duplexd.engine.checkpoint import build_lm, load_lm, load_mimi
 from duplexd.engine.config import MIMI_PRESETS, PRESETS, ConfigError, SamplingParams
-from duplexd.engine.demo import ensure_demo
+from duplexd.engine.demo import draw_random_, ensure_demo
 from duplexd.engine.engine import Engine, EngineConfig, EngineStats, Session
 from duplexd.engine.errors import CapacityError, CheckpointError
 from duplexd.engine.hub import resolve_file
@@ -75,17 +75,9 @@ def weight_dtype(settings: ServerSettings, device: str) -> torch.dtype:
     return DTYPES[settings.dtype]
 
 
-@torch.no_grad()
 def random_models(preset: str, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[LMModel, MimiModel]:
-    """The preset's LM in `dtype` and its Mimi in fp32, random weights drawn on the device: a 7B model is ready
-    in seconds, with the released shapes, so its step costs what the real one does."""
-    lm = build_lm(PRESETS[preset], device=device, dtype=dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in lm.named_parameters():
-        if name.endswith("norm"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 1.0 if "emb" in name else p.shape[-1] ** -0.5, generator=gen)
+    """The preset's LM in `dtype` and its Mimi in fp32, random weights drawn on the device (`draw_random_`)."""
+    lm = draw_random_(build_lm(PRESETS[preset], device=device, dtype=dtype), seed)
     mimi = MimiModel(MIMI_PRESETS[RANDOM_WEIGHTS_MIMI[preset]]).init_weights_(seed).to(device)
     return lm, mimi
 
