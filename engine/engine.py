@@ -26,6 +26,7 @@ import torch
 from .config import ConfigError, SamplingParams
 from .graphs import default_buckets
 from .kv_cache import PagedKVCache, window_pages
+from .listeners import Listeners
 from .models.lm import LMModel
 from .models.mimi import MimiModel, MimiStreams
 from .persona import PersonaPrompt
@@ -78,7 +79,6 @@ class StepRecord:
     batch_size: int
     bucket: int
     seconds: float
-    prompt_rows: int = 0  # persona prompt frames prefilled after the step
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ class Engine:
             self._persona,
         )
         self.runner = Runner(self.pipeline, kv, tokenizer, set(cfg.silent_text_ids))
-        self._listeners: list[Callable[[StepRecord], None]] = []
+        self._step_listeners: Listeners[[StepRecord]] = Listeners("step")
         self._thread: threading.Thread | None = None
         self._threads = config.threads or len(os.sched_getaffinity(0))
         if self.device.type == "cpu" and torch.get_num_threads() > 1:
@@ -224,16 +224,10 @@ class Engine:
         while (plan := self.scheduler.plan()) is not None:
             result = self.runner.execute(plan)
             self.scheduler.finish(plan, result)
-            prefill = self.runner.prefill(plan.prefill) if plan.prefill else None
-            if prefill is not None:
-                self.scheduler.prefilled(plan, prefill)
+            if plan.prefill:
+                self.scheduler.prefilled(plan, self.runner.prefill(plan.prefill))
             if plan.slots and result.error is None:
-                record = StepRecord(len(plan.slots), result.bucket, result.seconds, prefill.rows if prefill else 0)
-                for listener in list(self._listeners):
-                    try:
-                        listener(record)
-                    except Exception:
-                        logger.exception("step listener failed")
+                self._step_listeners(StepRecord(len(plan.slots), result.bucket, result.seconds))
 
     def _size_prefill(self, step_seconds: float) -> int:
         """Prompt frames per step beside live sessions: `prefill_rows`, else what fits in half of the frame's time
@@ -256,18 +250,17 @@ class Engine:
 
     def on_step(self, callback: Callable[[StepRecord], None]) -> Callable[[], None]:
         """Call `callback(StepRecord)` on the loop thread after every step; returns a function that stops it."""
-        self._listeners.append(callback)
-        return lambda: self._listeners.remove(callback)
+        return self._step_listeners.add(callback)
 
     def on_prompted(self, callback: Callable[[float], None]) -> Callable[[], None]:
         """Call `callback(seconds)` on the loop thread each time a persona prompt is in (seconds since it was
         started). Returns a function that stops it."""
-        return self.scheduler.on_prompted(callback)
+        return self.scheduler.prompted.add(callback)
 
     def on_dropped(self, callback: Callable[[str, int], None]) -> Callable[[], None]:
         """Call `callback(direction, count)` when frames are dropped: "in" when a session's inbox is full (on the
         pushing thread), "out" when its outbox is (on the loop thread). Returns a function that stops it."""
-        return self.scheduler.on_dropped(callback)
+        return self.scheduler.dropped.add(callback)
 
     # ------------------------------------------------------------------------------------------- sessions
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import SamplingParams
 from .errors import CapacityError
 from .kv_cache import PagedKVCache
+from .listeners import Listeners
 from .persona import PersonaPrompt, PromptChunk
 from .plan import PrefillResult, StepPlan, StepResult
 from .session import Session, SessionOutput
@@ -70,8 +70,8 @@ class Scheduler:
         self._prompting: list[Session] = []  # sessions whose persona prompt is not all prefilled, oldest first
         self._in_flight: set[Session] = set()  # sessions of the plan being executed
         self._running = False
-        self._drop_listeners: list[Callable[[str, int], None]] = []
-        self._prompt_listeners: list[Callable[[float], None]] = []
+        self.dropped: Listeners[[str, int]] = Listeners("drop")  # (direction, count)
+        self.prompted: Listeners[[float]] = Listeners("prompt")  # seconds from `start_prompt` to live
         self.refused = self.steps = self.frames_in = self.frames_out = self.prompt_rows = 0
 
     # ------------------------------------------------------------------------------------------- SessionHost
@@ -100,21 +100,7 @@ class Scheduler:
         self._work.notify()
 
     def frames_dropped(self, direction: str, count: int) -> None:
-        for listener in self._drop_listeners:
-            try:
-                listener(direction, count)
-            except Exception:
-                logger.exception("drop listener failed")
-
-    def on_prompted(self, callback: Callable[[float], None]) -> Callable[[], None]:
-        """Call `callback(seconds)` on the loop thread when a persona prompt is in: seconds since `start_prompt`."""
-        self._prompt_listeners.append(callback)
-        return lambda: self._prompt_listeners.remove(callback)
-
-    def on_dropped(self, callback: Callable[[str, int], None]) -> Callable[[], None]:
-        """Call `callback(direction, count)` whenever frames are dropped ("in": inbox full, "out": outbox full)."""
-        self._drop_listeners.append(callback)
-        return lambda: self._drop_listeners.remove(callback)
+        self.dropped(direction, count)
 
     # ------------------------------------------------------------------------------------------- admission
 
@@ -296,8 +282,4 @@ class Scheduler:
                     done.append(session.prompt_seconds)
             self._in_flight = set()
         for seconds in done:
-            for listener in self._prompt_listeners:
-                try:
-                    listener(seconds)
-                except Exception:
-                    logger.exception("prompt listener failed")
+            self.prompted(seconds)

@@ -35,6 +35,7 @@ import torch
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE
 
 from .errors import CapacityError
+from .listeners import Listeners
 from .mailbox import Mailbox
 from .transcriber import DEFAULT_PROMPT, MAX_SAMPLES, Transcriber
 from .vad import VAD_RATE, SpeechStarted, SpeechStopped, VadConfig, VadSegmenter
@@ -231,7 +232,7 @@ class TranscriptionService:
         self._stopping = False
         self.failed: str | None = None  # why a thread died, if one did
         self._threads: list[threading.Thread] = []
-        self._listeners: list[Callable[[str, float], None]] = []
+        self._report: Listeners[[str, float]] = Listeners("transcript")  # (outcome, seconds to transcript)
 
     # -- lifecycle
     def start(self) -> None:
@@ -264,8 +265,7 @@ class TranscriptionService:
     def on_transcript(self, callback: Callable[[str, float], None]) -> Callable[[], None]:
         """Call `callback(outcome, seconds)` for every utterance ended ("completed" or "failed"), with the time
         from the end of speech to the result; on the service's threads. Returns a function that stops it."""
-        self._listeners.append(callback)
-        return lambda: self._listeners.remove(callback)
+        return self._report.add(callback)
 
     # -- streams and files
     def open_stream(self, prompt: str = DEFAULT_PROMPT) -> TranscriptStream:
@@ -528,10 +528,3 @@ class TranscriptionService:
                 if text:
                     owner.deliver(TranscriptDelta(u.item, text))
                 owner.deliver(TranscriptDone(u.item, text, tuple(tokens), u.start_s, u.end_s))
-
-    def _report(self, outcome: str, seconds: float) -> None:
-        for listener in list(self._listeners):
-            try:
-                listener(outcome, seconds)
-            except Exception:
-                logger.exception("transcript listener failed")
