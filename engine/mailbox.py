@@ -35,14 +35,19 @@ class Mailbox(Generic[T]):
 
     async def recv(self) -> T | None:
         """The next item, or None once finished and empty."""
+        await self.until(lambda: bool(self.items) or self._finished())
+        with self._lock:  # one consumer: what made the wait end is still there
+            return self.items.popleft() if self.items else None
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        """Wait from asyncio until `condition()` (read under the owner's lock) holds; the owner calls `wake`
+        whenever it may have become true."""
         while True:
             with self._lock:
                 if self._loop is None:
                     self._bind(asyncio.get_running_loop())
-                if self.items:
-                    return self.items.popleft()
-                if self._finished():
-                    return None
+                if condition():
+                    return
                 event = self._event
                 assert event is not None  # bound above
                 event.clear()

@@ -15,7 +15,6 @@ they happen.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
@@ -82,8 +81,6 @@ class Session:
         self.prompted = 0  # the prompt's forwards prefilled so far
         self.prompt_seconds: float | None = None  # from `start_prompt` until the prompt was in
         self._prompt_started = 0.0
-        self._live = threading.Event()  # set once the prompt is prefilled (at once without one) or the session ends
-        self._live.set()
         self.steps = self.frames_taken = 0
         self.frames_in = self.frames_out = self.frames_dropped_in = self.frames_dropped_out = 0
 
@@ -144,7 +141,6 @@ class Session:
             self._host.prompt_requested(self, prompt)
             self.prompt = prompt
             self._prompt_started = time.monotonic()
-            self._live.clear()
 
     @property
     def prompting(self) -> bool:
@@ -153,8 +149,7 @@ class Session:
 
     async def until_live(self) -> bool:
         """Wait until the persona prompt is prefilled (True; at once without one) or the session ends (False)."""
-        if not self._live.is_set():
-            await asyncio.to_thread(self._live.wait)
+        await self._mailbox.until(lambda: not self.prompting)
         with self._lock:
             return not self.closed
 
@@ -197,7 +192,7 @@ class Session:
         self.prompted += rows
         if self.prompted >= self.prompt.forwards:
             self.prompt_seconds = time.monotonic() - self._prompt_started
-            self._live.set()
+            self._mailbox.wake()
 
     def stepped(self, output: SessionOutput | None) -> int:
         """One of this session's frames was stepped; `output` is its answer (None while the model warms up).
@@ -222,4 +217,3 @@ class Session:
         self._inbox.clear()
         self._host.session_ended(self)
         self._mailbox.wake()
-        self._live.set()
