@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 from safetensors.torch import save_file
 
-from duplexd.engine.config import LMConfig
+from duplexd.engine.models.config import LMConfig
 
 T = TypeVar("T")
 

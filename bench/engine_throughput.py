@@ -29,9 +29,10 @@ import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 
 from bench.common import through_checkpoint  # noqa: E402
-from duplexd.engine.checkpoint import load_lm, load_mimi  # noqa: E402
-from duplexd.engine.config import DEMO_MIMI, LMConfig, SamplingParams  # noqa: E402
-from duplexd.engine.engine import Engine, EngineConfig  # noqa: E402
+from duplexd.engine.dialogue.engine import Engine, EngineConfig  # noqa: E402
+from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
+from duplexd.engine.models.config import DEMO_MIMI, LMConfig
+from duplexd.engine.weights.checkpoint import load_lm, load_mimi  # noqa: E402
 from duplexd.wire import split_frames  # noqa: E402
 from tests.ref_models import reference_lm, reference_mimi  # noqa: E402
 

@@ -44,10 +44,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import cuda_missing  # noqa: E402
-from duplexd.engine.config import PRESETS, ConfigError, SamplingParams  # noqa: E402
-from duplexd.engine.engine import Engine, EngineConfig, EngineStats, StepRecord, pool_pages  # noqa: E402
+from duplexd.engine.dialogue.engine import Engine, EngineConfig, EngineStats, StepRecord, pool_pages  # noqa: E402
+from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
 from duplexd.engine.errors import CapacityError, SessionClosed  # noqa: E402
-from duplexd.engine.kv_cache import window_pages  # noqa: E402
+from duplexd.engine.kv.paged import window_pages  # noqa: E402
+from duplexd.engine.models.config import PRESETS, ConfigError
 from duplexd.engine.models.lm import LMModel  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel  # noqa: E402
 

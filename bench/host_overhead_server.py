@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from duplexd.engine.config import DEMO, DEMO_MIMI
-from duplexd.engine.pipeline import FrameOutput, Pipeline
+from duplexd.engine.dialogue.pipeline import FrameOutput, Pipeline
+from duplexd.engine.models.config import DEMO, DEMO_MIMI
 from duplexd.wire import split_frames
 
 logger = logging.getLogger("duplexd.bench.host_overhead")
@@ -49,8 +49,8 @@ class StandIn:
 
     def __init__(self, max_rows: int, frame_size: int, step_seconds: float, seed: int = 0) -> None:
         from duplexd.clients.audio import speech_like
-        from duplexd.engine.demo import ensure_demo
-        from duplexd.engine.tokenizer import TextTokenizer
+        from duplexd.engine.models.tokenizer import TextTokenizer
+        from duplexd.engine.weights.demo import ensure_demo
 
         rng = np.random.default_rng(seed)
         vocab = TextTokenizer(ensure_demo().tokenizer).vocab_size

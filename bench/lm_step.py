@@ -18,9 +18,9 @@ import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 
 from bench.common import MID_LM, median_ms, parse_args, side_by_side, through_checkpoint  # noqa: E402
-from duplexd.engine.checkpoint import load_lm  # noqa: E402
-from duplexd.engine.config import SamplingParams  # noqa: E402
-from duplexd.engine.lm_gen import LMGen  # noqa: E402
+from duplexd.engine.dialogue.lm_gen import LMGen  # noqa: E402
+from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
+from duplexd.engine.weights.checkpoint import load_lm  # noqa: E402
 from tests.ref_models import reference_lm  # noqa: E402
 
 CONFIG = MID_LM

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import median_ms, parse_args, side_by_side, through_checkpoint  # noqa: E402
-from duplexd.engine.checkpoint import load_mimi  # noqa: E402
-from duplexd.engine.config import DEMO_MIMI, MIMI  # noqa: E402
+from duplexd.engine.models.config import DEMO_MIMI, MIMI  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel, MimiStreams  # noqa: E402
+from duplexd.engine.weights.checkpoint import load_mimi  # noqa: E402
 from duplexd.wire import split_frames  # noqa: E402
 from tests.ref_models import reference_mimi  # noqa: E402
 

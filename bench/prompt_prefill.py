@@ -69,23 +69,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import MID_LM, cuda_missing  # noqa: E402
-from duplexd.engine.checkpoint import build_lm  # noqa: E402
-from duplexd.engine.config import (  # noqa: E402
-    DEMO,
-    DEMO_MIMI,
-    MIMI,
-    PERSONAPLEX_7B,
-    LMConfig,
-    MimiConfig,
-    SamplingParams,
-)
-from duplexd.engine.demo import draw_random_  # noqa: E402
-from duplexd.engine.engine import Engine, EngineConfig  # noqa: E402
+from duplexd.engine.dialogue.engine import Engine, EngineConfig  # noqa: E402
+from duplexd.engine.dialogue.plan import PrefillResult  # noqa: E402
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.dialogue.session import Session  # noqa: E402
+from duplexd.engine.models.config import DEMO, DEMO_MIMI, MIMI, PERSONAPLEX_7B, LMConfig, MimiConfig
 from duplexd.engine.models.lm import LMModel  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel  # noqa: E402
-from duplexd.engine.persona import PersonaPrompt, PromptChunk, Voice, build_prompt  # noqa: E402
-from duplexd.engine.plan import PrefillResult  # noqa: E402
-from duplexd.engine.session import Session  # noqa: E402
+from duplexd.engine.persona.prompt import PersonaPrompt, PromptChunk, Voice, build_prompt  # noqa: E402
+from duplexd.engine.weights.checkpoint import build_lm  # noqa: E402
+from duplexd.engine.weights.demo import draw_random_  # noqa: E402
 
 logger = logging.getLogger("prompt_prefill")
 T = TypeVar("T")

@@ -62,8 +62,8 @@ from transformers import (  # noqa: E402
 
 from bench.common import clocked, interleaved  # noqa: E402
 from duplexd.clients.audio import speech_like  # noqa: E402
-from duplexd.engine.gemma4_demo import build_tokenizer, perturb_, tiny_config  # noqa: E402
-from duplexd.engine.transcriber import DEFAULT_PROMPT, SAMPLE_RATE, STEP_SAMPLES, Transcriber  # noqa: E402
+from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT, SAMPLE_RATE, STEP_SAMPLES, Transcriber  # noqa: E402
+from duplexd.engine.weights.gemma4_demo import build_tokenizer, perturb_, tiny_config  # noqa: E402
 
 STEP_S = STEP_SAMPLES / SAMPLE_RATE
 
@@ -77,7 +77,7 @@ class AudioProcessor(Gemma4Processor):
 
 def write_model(folder: Path, args: argparse.Namespace, seed: int = 0) -> None:
     """The random Gemma 4 (E2B audio tower, small text decoder), tokenizer and feature extractor, HF layout."""
-    corpus = (resources.files("duplexd.engine") / "data" / "demo_corpus.txt").read_text(encoding="utf-8")
+    corpus = (resources.files("duplexd.engine.weights") / "data" / "demo_corpus.txt").read_text(encoding="utf-8")
     tokenizer = build_tokenizer(corpus.splitlines())
     config = tiny_config(tokenizer)  # the demo's special tokens; its towers are replaced below
     demo_text = config.text_config

@@ -25,7 +25,7 @@ import soxr  # noqa: E402
 import torch  # noqa: E402
 from silero_vad import VADIterator  # noqa: E402  (its import sets torch's threads to 1: set ours after)
 
-from duplexd.engine.vad import VAD_RATE, WINDOW, VadSegmenter, load_silero  # noqa: E402
+from duplexd.engine.transcription.vad import VAD_RATE, WINDOW, VadSegmenter, load_silero  # noqa: E402
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE, split_frames  # noqa: E402
 
 log = logging.getLogger("bench.vad")

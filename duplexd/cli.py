@@ -13,14 +13,15 @@ import torch
 from duplexd import infer, transcribe
 from duplexd.clients import chat
 from duplexd.clients import loadtest_cli as loadtest
-from duplexd.engine.checkpoint import load_lm
-from duplexd.engine.config import ConfigError, SamplingParams
-from duplexd.engine.demo import ensure_demo
 from duplexd.engine.devices import check_device
+from duplexd.engine.dialogue.lm_gen import LMGen
+from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import InputRefused
-from duplexd.engine.lm_gen import LMGen
-from duplexd.engine.model_files import check_lm_files, check_tokenizer_file
-from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.engine.models.config import ConfigError
+from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.weights.checkpoint import load_lm
+from duplexd.engine.weights.demo import ensure_demo
+from duplexd.engine.weights.model_files import check_lm_files, check_tokenizer_file
 from duplexd.server import cli as serve
 from duplexd.server.settings import SettingsError
 

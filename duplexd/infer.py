@@ -14,18 +14,19 @@ import torch
 
 from duplexd.clients.audio import InputError as InputError  # the CLI reports it
 from duplexd.clients.audio import read_audio
-from duplexd.engine.checkpoint import load_lm, load_mimi
-from duplexd.engine.config import MIMI_PRESETS, ConfigError, SamplingParams
 from duplexd.engine.devices import check_device
+from duplexd.engine.dialogue.pipeline import Pipeline
+from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import InputRefused
-from duplexd.engine.hub import resolve_file
-from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_model_files, model_files
+from duplexd.engine.models.config import MIMI_PRESETS, ConfigError
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
-from duplexd.engine.persona import PersonaPrompt, check_persona_model, role_prompt
-from duplexd.engine.pipeline import Pipeline
-from duplexd.engine.tokenizer import TextTokenizer
-from duplexd.engine.voices import VoiceError, load_voice
+from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.persona.prompt import PersonaPrompt, check_persona_model, role_prompt
+from duplexd.engine.persona.voices import VoiceError, load_voice
+from duplexd.engine.weights.checkpoint import load_lm, load_mimi
+from duplexd.engine.weights.hub import resolve_file
+from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_model_files, model_files
 from duplexd.wire import split_frames
 
 logger = logging.getLogger(__name__)

@@ -20,17 +20,17 @@ from duplexd.clients.audio import InputError as InputError  # the CLI reports it
 from duplexd.clients.audio import read_audio
 from duplexd.engine.devices import check_device
 from duplexd.engine.errors import CheckpointError
-from duplexd.engine.file_transcription import (
-    RESPONSE_FORMATS,
-    json_body,
-    text_body,
-    transcribe_file,
-    verbose_body,
+from duplexd.engine.transcription.files import RESPONSE_FORMATS, json_body, text_body, transcribe_file, verbose_body
+from duplexd.engine.transcription.service import TranscriptionConfig, TranscriptionService
+from duplexd.engine.transcription.transcriber import (
+    DEFAULT_PROMPT,
+    SAMPLE_RATE,
+    Transcriber,
+    import_transformers,
+    model_folder,
 )
-from duplexd.engine.model_files import DTYPES
-from duplexd.engine.transcriber import DEFAULT_PROMPT, SAMPLE_RATE, Transcriber, import_transformers, model_folder
-from duplexd.engine.transcription import TranscriptionConfig, TranscriptionService
-from duplexd.engine.vad import VadSegmenter, load_silero
+from duplexd.engine.transcription.vad import VadSegmenter, load_silero
+from duplexd.engine.weights.model_files import DTYPES
 
 logger = logging.getLogger(__name__)
 

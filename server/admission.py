@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from duplexd.engine.config import SamplingParams
+from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError
 
 from .access import access_denied

@@ -20,11 +20,11 @@ import logging
 import numpy as np
 from fastapi import APIRouter, WebSocket
 
-from duplexd.engine.config import SamplingParams
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.engine.errors import CapacityError
-from duplexd.engine.persona import PersonaPrompt
-from duplexd.engine.session import SessionOutput
-from duplexd.engine.transcription import TranscriptEvent
+from duplexd.engine.persona.prompt import PersonaPrompt
+from duplexd.engine.transcription.service import TranscriptEvent
 
 from . import protocol
 from .admission import serve

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from duplexd.engine.engine import StepRecord
+from duplexd.engine.dialogue.engine import StepRecord
 
 from .runtime import Runtime
 

@@ -16,11 +16,11 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from duplexd.engine.config import LMConfig
 from duplexd.engine.errors import InputRefused
-from duplexd.engine.persona import PersonaPrompt, role_prompt
-from duplexd.engine.tokenizer import TextTokenizer
-from duplexd.engine.voices import VoiceError, VoiceLibrary
+from duplexd.engine.models.config import LMConfig
+from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.persona.prompt import PersonaPrompt, role_prompt
+from duplexd.engine.persona.voices import VoiceError, VoiceLibrary
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from duplexd.engine.config import LMConfig
 from duplexd.engine.devices import check_devices
 from duplexd.engine.errors import CheckpointError, InputRefused
-from duplexd.engine.hub import hub_repo
-from duplexd.engine.model_files import check_model_files
-from duplexd.engine.transcriber import import_transformers
-from duplexd.engine.voices import AUDIO_SUFFIXES, PRESET_SUFFIX, voice_files
+from duplexd.engine.models.config import LMConfig
+from duplexd.engine.persona.voices import AUDIO_SUFFIXES, PRESET_SUFFIX, voice_files
+from duplexd.engine.transcription.transcriber import import_transformers
+from duplexd.engine.weights.hub import hub_repo
+from duplexd.engine.weights.model_files import check_model_files
 
 from .runtime import resolve_files
 from .settings import ServerSettings, SettingsError

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from duplexd.engine.transcription import (
+from duplexd.engine.transcription.service import (
     SpeechBegan,
     SpeechEnded,
     TranscriptDelta,

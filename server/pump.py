@@ -25,11 +25,11 @@ from typing import cast
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
+from duplexd.engine.dialogue.session import Session, SessionOutput
 from duplexd.engine.errors import CapacityError, SessionClosed
-from duplexd.engine.persona import PersonaPrompt
-from duplexd.engine.session import Session, SessionOutput
-from duplexd.engine.transcriber import DEFAULT_PROMPT
-from duplexd.engine.transcription import TranscriptEvent, TranscriptionService, TranscriptStream
+from duplexd.engine.persona.prompt import PersonaPrompt
+from duplexd.engine.transcription.service import TranscriptEvent, TranscriptionService, TranscriptStream
+from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT
 
 from .closing import Close, CloseCode, Disconnected, close_for_session_end
 from .metrics import Metrics

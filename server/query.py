@@ -9,8 +9,9 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from duplexd.engine.config import ConfigError, SamplingParams
-from duplexd.engine.transcriber import DEFAULT_PROMPT, instruction
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.models.config import ConfigError
+from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT, instruction
 
 FLOATS = ("text_temperature", "audio_temperature", "repetition_penalty", "pad_mult")
 INTS = ("text_topk", "audio_topk", "repetition_penalty_context")

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import APIRouter, WebSocket
 
-from duplexd.engine.config import SamplingParams
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.engine.errors import CapacityError, SessionClosed
-from duplexd.engine.session import SessionOutput
-from duplexd.engine.transcription import (
+from duplexd.engine.transcription.service import (
     SpeechBegan,
     SpeechEnded,
     TranscriptDelta,

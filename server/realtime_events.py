@@ -32,8 +32,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from duplexd import wire
-from duplexd.engine.config import MAX_REPETITION_CONTEXT, SamplingParams
-from duplexd.engine.transcriber import instruction
+from duplexd.engine.dialogue.sampling import MAX_REPETITION_CONTEXT, SamplingParams
+from duplexd.engine.transcription.transcriber import instruction
 
 from .closing import Close, CloseCode
 

@@ -16,20 +16,21 @@ from pathlib import Path
 
 import torch
 
-from duplexd.engine.checkpoint import build_lm, load_lm, load_mimi
-from duplexd.engine.config import MIMI_PRESETS, PRESETS, ConfigError, SamplingParams
-from duplexd.engine.demo import draw_random_, ensure_demo
-from duplexd.engine.engine import Engine, EngineConfig, EngineStats, Session
+from duplexd.engine.dialogue.engine import Engine, EngineConfig, EngineStats, Session
+from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError, CheckpointError
-from duplexd.engine.hub import resolve_file
-from duplexd.engine.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
+from duplexd.engine.models.config import MIMI_PRESETS, PRESETS, ConfigError
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
-from duplexd.engine.persona import PersonaPrompt
-from duplexd.engine.tokenizer import TextTokenizer
-from duplexd.engine.transcriber import Transcriber, model_folder
-from duplexd.engine.transcription import TranscriptionConfig, TranscriptionService
-from duplexd.engine.voices import VoiceLibrary
+from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.persona.prompt import PersonaPrompt
+from duplexd.engine.persona.voices import VoiceLibrary
+from duplexd.engine.transcription.service import TranscriptionConfig, TranscriptionService
+from duplexd.engine.transcription.transcriber import Transcriber, model_folder
+from duplexd.engine.weights.checkpoint import build_lm, load_lm, load_mimi
+from duplexd.engine.weights.demo import draw_random_, ensure_demo
+from duplexd.engine.weights.hub import resolve_file
+from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
 
 from .persona import PersonaRefused, Personas
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings

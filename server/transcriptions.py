@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
 from duplexd.engine.errors import CapacityError
-from duplexd.engine.file_transcription import (
+from duplexd.engine.transcription.files import (
     RESPONSE_FORMATS,
     FilePlan,
     FileTranscriptionError,
@@ -42,9 +42,9 @@ from duplexd.engine.file_transcription import (
     text_body,
     verbose_body,
 )
-from duplexd.engine.transcriber import instruction
-from duplexd.engine.transcription import TranscriptionService
-from duplexd.engine.vad import VAD_RATE, load_silero
+from duplexd.engine.transcription.service import TranscriptionService
+from duplexd.engine.transcription.transcriber import instruction
+from duplexd.engine.transcription.vad import VAD_RATE, load_silero
 
 from .access import key_ok
 from .audio_upload import Decoded, UploadError, decode

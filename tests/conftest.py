@@ -22,7 +22,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def gemma4_folder(tmp_path_factory):
     """The tiny random Gemma 4 demo in Hugging Face layout (needs transformers), written once for the run."""
     pytest.importorskip("transformers")
-    from duplexd.engine.gemma4_demo import write_demo
+    from duplexd.engine.weights.gemma4_demo import write_demo
 
     return write_demo(tmp_path_factory.mktemp("gemma4-demo"))
 

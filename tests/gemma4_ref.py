@@ -14,7 +14,7 @@ from transformers import (
     Gemma4Processor,
 )
 
-from duplexd.engine.transcriber import DEFAULT_PROMPT
+from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT
 
 
 class AudioProcessor(Gemma4Processor):

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
 
 aten = torch.ops.aten
 
@@ -46,11 +49,17 @@ class HostOp:
         return f"{self.kind}: {self.op} at {self.where}"
 
 
+def _from_root(path: str) -> str:
+    """`path` from the repository root (engine/kv/paged.py), or its last two parts outside it."""
+    root = f"{ROOT.as_posix()}/"
+    return path.removeprefix(root) if path.startswith(root) else "/".join(path.rsplit("/", 2)[-2:])
+
+
 def _caller() -> str:
     for frame in reversed(traceback.extract_stack()):
         path = frame.filename.replace("\\", "/")
         if "/tests/" not in path and any(f"/{d}/" in path for d in ("engine", "kernels", "server", "duplexd")):
-            return f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.lineno} {frame.line}"
+            return f"{_from_root(path)}:{frame.lineno} {frame.line}"
     return "?"
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from duplexd.engine.config import LMConfig
+from duplexd.engine.models.config import LMConfig
 
 from .ref_models import reference_lm
 

@@ -14,7 +14,8 @@ A session first runs the prompt: the voice (agent: its codes, user: the tone; a 
 input rows and then puts its ring back), 6 silent frames, the role text one token a frame, 6 silent frames (text:
 padding, agent: SILENCE, user: the tone). Then each live call gives only the user's 8 codes.
 
-`Oracle` runs the model for it: the reference `moshi` LM (built with dep_q = 16, as PersonaPlex's), greedy.
+`Oracle` runs the model for it: the reference `moshi` LM (built with dep_q = 16, as PersonaPlex's), greedy, with
+its temporal rings labelled by moshi's rule or by NVIDIA's fork's (`ring_rules`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from duplexd.engine.config import LMConfig
-from duplexd.engine.persona import REFERENCE_RING, SILENCE_CODES, SILENCE_FRAMES, SINE_CODES, TEXT_PAD
+from duplexd.engine.models.config import LMConfig
+from duplexd.engine.persona.prompt import REFERENCE_RING, SILENCE_CODES, SILENCE_FRAMES, SINE_CODES, TEXT_PAD
+
+from .ring_rules import use_fork_rule
 
 UNGENERATED = -2
 AGENT = 8  # PersonaPlex's audio codebooks per speaker
@@ -46,10 +49,12 @@ class Oracle:
     """The reference LM at batch 1, greedy: the temporal transformer streams over the calls' inputs and the
     DepFormer runs all its steps, fed the given tokens where the ring has them."""
 
-    def __init__(self, lm) -> None:
+    def __init__(self, lm, ring_rule: str = "moshi") -> None:
         self.lm = lm
         self._ctx = lm.streaming(1)
         self._ctx.__enter__()
+        if ring_rule == "personaplex":
+            use_fork_rule(lm)  # the temporal transformer's rings as NVIDIA's server labels them
 
     def close(self) -> None:
         self._ctx.__exit__(None, None, None)

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from moshi.models import loaders  # noqa: E402
 from moshi.models.lm import LMModel as RefLMModel  # noqa: E402
 
-from duplexd.engine.config import LMConfig  # noqa: E402
+from duplexd.engine.models.config import LMConfig  # noqa: E402
 
 
 def reference_kwargs(cfg: LMConfig) -> dict:

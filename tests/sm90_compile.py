@@ -189,9 +189,9 @@ def kernel_inventory() -> tuple[list[str], list[str]]:
 def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | None) -> None:
     """`LMGen.step` under `force_triton` at each batch size: Moshi 7B (`layers` temporal and DepFormer layers if
     given), bf16 weights, on `meta`."""
-    from duplexd.engine.checkpoint import build_lm
-    from duplexd.engine.config import PRESETS
-    from duplexd.engine.lm_gen import LMGen
+    from duplexd.engine.dialogue.lm_gen import LMGen
+    from duplexd.engine.models.config import PRESETS
+    from duplexd.engine.weights.checkpoint import build_lm
     from duplexd.kernels.dispatch import force_triton
 
     cfg = PRESETS["moshi-7b"]
@@ -210,12 +210,12 @@ def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | Non
 def drive_prefill(recorder: Recorder, cfg) -> None:
     """`LMGen.prefill` of a PersonaPlex model (`cfg` with dep_q = 16): a whole 200-frame prompt and the first
     chunk of another in one forward, as the engine plans them."""
-    from duplexd.engine.checkpoint import build_lm
-    from duplexd.engine.lm_gen import LMGen
-    from duplexd.engine.persona import PromptChunk, Voice, build_prompt
+    from duplexd.engine.dialogue.lm_gen import LMGen
+    from duplexd.engine.persona.prompt import PromptChunk, Voice, build_prompt
+    from duplexd.engine.weights.checkpoint import build_lm
     from duplexd.kernels.dispatch import force_triton
 
-    cfg = dataclasses.replace(cfg, dep_q=cfg.n_q)
+    cfg = dataclasses.replace(cfg, dep_q=cfg.n_q, ring_rule="personaplex")  # its window: context - 1 keys
     gen = LMGen(build_lm(cfg, device="meta", dtype=torch.bfloat16), num_slots=2)
     voice = Voice("v", None, 50, codes=torch.zeros(50, cfg.agent_codebooks, dtype=torch.long))  # type: ignore[arg-type]
     prompt = build_prompt(cfg, voice, list(range(100, 238)))

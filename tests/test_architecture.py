@@ -1,5 +1,7 @@
-"""The package's shape, held by tests: no import cycle among the engine's modules, and no file reaching into the
-private attributes (`_name`) that another duplexd file defines: parts talk through their public interfaces."""
+"""The package's shape, held by tests: imports point one way (`server → engine → kernels`, and between the
+engine's parts as `ENGINE_PARTS` allows), no import cycle among the engine's modules, and no file or class reaching
+into the private attributes (`_name`) that another file or class defines: parts talk through their public
+interfaces."""
 
 from __future__ import annotations
 
@@ -76,8 +78,78 @@ def test_cycle_finder_finds_cycles():
 def test_no_import_cycle_among_the_engine_modules():
     modules = {n: p for n, p in _modules().items() if n.startswith("duplexd.engine")}
     graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
-    assert "duplexd.engine.scheduler" in graph["duplexd.engine.engine"]  # the graph is really built
+    assert "duplexd.engine.dialogue.scheduler" in graph["duplexd.engine.dialogue.engine"]  # the graph is really built
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+# The engine's parts and what each may import of duplexd besides itself. "shared" is the modules at the engine's
+# root (errors, devices, mailbox, listeners). The two services (dialogue, transcription) do not import each other;
+# models import nothing of the services, of persona or of weight loading.
+ENGINE_PARTS: dict[str, set[str]] = {
+    "shared": set(),
+    "kv": {"shared", "kernels"},
+    "models": {"shared", "kernels", "kv"},
+    "weights": {"shared", "models"},
+    "persona": {"shared", "models"},
+    "dialogue": {"shared", "kernels", "kv", "models", "persona"},
+    "transcription": {"shared", "models", "weights", "wire"},
+}
+
+
+def _part(module: str) -> str:
+    """`duplexd.engine.models.lm` → models; `duplexd.engine.errors` → shared; `duplexd.kernels.rope` → kernels."""
+    parts = module.split(".")
+    if parts[:2] != ["duplexd", "engine"]:
+        return parts[1] if len(parts) > 1 else parts[0]
+    if len(parts) == 2 or not (ROOT / "engine" / parts[2]).is_dir():
+        return "shared"
+    return parts[2]
+
+
+def _part_offences(graph: dict[str, set[str]], allowed: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{name} ({_part(name)}) imports {dep} ({_part(dep)})"
+        for name, deps in sorted(graph.items())
+        for dep in sorted(deps)
+        if _part(dep) != _part(name) and _part(dep) not in allowed.get(_part(name), set())
+    ]
+
+
+def test_part_rule_sees_a_wrong_way_import():
+    graph = {"duplexd.engine.models.lm": {"duplexd.engine.dialogue.engine", "duplexd.engine.kv.paged"}}
+    assert _part_offences(graph, ENGINE_PARTS) == [
+        "duplexd.engine.models.lm (models) imports duplexd.engine.dialogue.engine (dialogue)"
+    ]
+
+
+def test_every_engine_folder_is_a_part_with_a_rule():
+    folders = {p.name for p in (ROOT / "engine").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(ENGINE_PARTS) - {"shared"}
+
+
+def test_the_engine_parts_import_one_way():
+    graph = _duplexd_imports("duplexd.engine")
+    assert "duplexd.engine.models.lm" in graph["duplexd.engine.dialogue.lm_gen"]  # the graph is really built
+    offences = _part_offences(graph, ENGINE_PARTS)
+    assert not offences, "\n".join(offences)
+
+
+def test_kernels_import_nothing_above_them():
+    graph = _duplexd_imports("duplexd.kernels")
+    assert graph, "no kernels found"
+    offences = [f"{n} imports {d}" for n, deps in sorted(graph.items()) for d in sorted(deps) if _part(d) != "kernels"]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_engine_imports_nothing_of_the_server_or_clients():
+    graph = _duplexd_imports("duplexd.engine")
+    offences = [
+        f"{n} imports {d}"
+        for n, deps in sorted(graph.items())
+        for d in sorted(deps)
+        if d.startswith(("duplexd.server", "duplexd.clients", "duplexd.cli", "duplexd.infer", "duplexd.transcribe"))
+    ]
+    assert not offences, "\n".join(offences)
 
 
 def _private_definitions(tree: ast.AST) -> set[str]:
@@ -116,6 +188,61 @@ def test_rule_sees_a_private_reach_across_files(tmp_path):
     a = ast.parse("class Engine:\n    def __init__(self):\n        self._ended = []\n")
     b = ast.parse("def end(session):\n    session.engine._ended.append(session)\n")
     assert _foreign_private_uses({ROOT / "a.py": a, ROOT / "b.py": b}) == ["b.py:2 session.engine._ended"]
+
+
+def _class_privates(cls: ast.ClassDef) -> set[str]:
+    """Private names a class defines: attributes it sets on self/cls, its methods and its annotated fields."""
+    names = set()
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            names.add(node.attr)
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _other_class_reaches(tree: ast.AST) -> list[str]:
+    """Within one file: a class reading a private name that another class of the file defines and it does not."""
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    owned = {c.name: _class_privates(c) for c in classes}
+    offences = []
+    for c in classes:
+        others = set().union(*(v for k, v in owned.items() if k != c.name)) - owned[c.name]
+        for node in ast.walk(c):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in others
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                offences.append(f"{node.lineno} {c.name}: {ast.unparse(node)}")
+    return offences
+
+
+def test_rule_sees_a_private_reach_across_classes():
+    tree = ast.parse(
+        "class Stream:\n    def __init__(self):\n        self._inbox = []\n"
+        "class Service:\n    def busy(self, s):\n        return bool(s._inbox)\n"
+    )
+    assert _other_class_reaches(tree) == ["6 Service: s._inbox"]
+
+
+@pytest.mark.parametrize("folder", sorted(PACKAGES))
+def test_no_class_touches_a_private_attribute_of_another_class(folder):
+    offences = [
+        f"{path.relative_to(ROOT)}:{o}"
+        for path in _modules().values()
+        if path.relative_to(ROOT).parts[0] == folder
+        for o in _other_class_reaches(ast.parse(path.read_text()))
+    ]
+    assert not offences, "\n".join(offences)
 
 
 @pytest.mark.parametrize("folder", sorted(PACKAGES))

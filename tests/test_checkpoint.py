@@ -9,9 +9,9 @@ import torch
 from moshi.models.lm import LMModel as RefLMModel
 from safetensors.torch import load_file, save_file
 
-from duplexd.engine.checkpoint import build_lm, key_map, load_lm, save_lm_weights
-from duplexd.engine.config import MOSHI_7B, LMConfig
 from duplexd.engine.errors import CheckpointError
+from duplexd.engine.models.config import MOSHI_7B, LMConfig
+from duplexd.engine.weights.checkpoint import build_lm, key_map, load_lm, save_lm_weights
 
 from .ref_models import fused_state_dict, reference_kwargs, reference_lm
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from moshi.models import loaders
 
-from duplexd.engine.checkpoint import read_lm_config
-from duplexd.engine.config import DEMO, MOSHI_7B, ConfigError, LMConfig, lm_config_from_dict
 from duplexd.engine.errors import CheckpointError
+from duplexd.engine.models.config import DEMO, MOSHI_7B, ConfigError, LMConfig, lm_config_from_dict
+from duplexd.engine.weights.checkpoint import read_lm_config
 
 
 def test_7b_preset_is_the_released_configuration():

@@ -10,11 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from duplexd.engine.config import DEMO_MIMI, ConfigError, LMConfig, SamplingParams
-from duplexd.engine.demo import random_lm
-from duplexd.engine.engine import Engine, EngineConfig
+from duplexd.engine.dialogue.engine import Engine, EngineConfig
+from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError, SessionClosed
+from duplexd.engine.models.config import DEMO_MIMI, ConfigError, LMConfig
 from duplexd.engine.models.mimi import MimiModel
+from duplexd.engine.weights.demo import random_lm
 
 # Small but complete: several layers and heads, all 16 streams, short context so windows wrap within a test.
 CFG = LMConfig(
@@ -362,7 +363,7 @@ def test_async_recv_and_step_records(models):
 
 
 def _page_bytes(lm, page_size: int) -> int:
-    from duplexd.engine.kv_cache import PagedKVCache
+    from duplexd.engine.kv.paged import PagedKVCache
 
     cfg = lm.cfg
     return PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, page_size, lm.text_emb.dtype)
@@ -380,8 +381,8 @@ def test_kv_pool_from_cuda_memory_leaves_room_for_mimi_streams_and_headroom(mode
     """Sizing from free GPU memory, checked on the CPU with the free-memory query stubbed."""
     import torch
 
-    from duplexd.engine.engine import CUDA_HEADROOM, pool_pages
-    from duplexd.engine.kv_cache import PagedKVCache
+    from duplexd.engine.dialogue.engine import CUDA_HEADROOM, pool_pages
+    from duplexd.engine.kv.paged import PagedKVCache
     from duplexd.engine.models.mimi import MimiStreams
 
     lm, mimi = models
@@ -411,7 +412,7 @@ class _Host:
 
 
 def test_push_zeroes_non_finite_samples_and_keeps_its_own_copy():
-    from duplexd.engine.session import Session
+    from duplexd.engine.dialogue.session import Session
 
     session = Session(_Host(), slot=0, params=SamplingParams(), max_frames=None)
     buffer = np.linspace(-0.5, 0.5, 2 * FRAME, dtype=np.float32)

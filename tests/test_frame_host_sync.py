@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from duplexd.engine.checkpoint import build_lm
-from duplexd.engine.config import MIMI_PRESETS, PRESETS
+from duplexd.engine.dialogue.pipeline import Pipeline
+from duplexd.engine.models.config import MIMI_PRESETS, PRESETS
 from duplexd.engine.models.mimi import MimiModel
-from duplexd.engine.pipeline import Pipeline
+from duplexd.engine.weights.checkpoint import build_lm
 from duplexd.kernels.dispatch import force_triton
 
 from .host_sync import HostWork
@@ -74,15 +74,16 @@ def test_the_public_mimi_calls_check_their_arguments_the_frame_calls_do_not(meta
     pipeline = Pipeline(*meta_models, num_slots=2)
     with HostWork() as mode:
         pipeline.mimi.decode(torch.tensor([1], device="meta"), torch.zeros(1, 8, 1, dtype=torch.long, device="meta"))
-    assert {op.where.split(":")[0] for op in mode.ops if op.kind == "sync"} == {"models/mimi.py"}
+    assert {op.where.split(":")[0] for op in mode.ops if op.kind == "sync"} == {"engine/models/mimi.py"}
 
 
 def test_admission_is_host_bookkeeping_only():
     """`open_session` runs on the server's event loop: it must not touch a tensor (a copy to the device would
     wait for the step in flight). The slot's KV row reaches the device on the loop thread, before its first step."""
-    from duplexd.engine.config import DEMO, DEMO_MIMI, SamplingParams
-    from duplexd.engine.demo import random_lm
-    from duplexd.engine.engine import Engine, EngineConfig
+    from duplexd.engine.dialogue.engine import Engine, EngineConfig
+    from duplexd.engine.dialogue.sampling import SamplingParams
+    from duplexd.engine.models.config import DEMO, DEMO_MIMI
+    from duplexd.engine.weights.demo import random_lm
 
     engine = Engine(
         random_lm(DEMO, seed=0),

@@ -17,8 +17,8 @@ from transformers import Gemma4AudioConfig as HFAudioConfig  # noqa: E402
 from transformers import Gemma4AudioFeatureExtractor, Gemma4AudioModel, Gemma4TextConfig  # noqa: E402
 from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder  # noqa: E402
 
-from duplexd.engine.audio_features import LogMel  # noqa: E402
 from duplexd.engine.models.gemma4_audio import Gemma4AudioConfig, Gemma4AudioEncoder  # noqa: E402
+from duplexd.engine.models.log_mel import LogMel  # noqa: E402
 
 TEXT_HIDDEN = 40
 CHUNK = 1280  # 80 ms at 16 kHz

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import Gemma4AudioFeatureExtractor  # noqa: E402
 
 from duplexd.engine.errors import CheckpointError  # noqa: E402
-from duplexd.engine.gemma4_checkpoint import load_gemma4_audio  # noqa: E402
+from duplexd.engine.weights.gemma4_checkpoint import load_gemma4_audio  # noqa: E402
 from tests.test_gemma4_audio import TEXT_HIDDEN, hf_state_dict, reference_models, rel_err, waves  # noqa: E402
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from duplexd.engine.engine import Engine, EngineConfig
-from duplexd.engine.pipeline import Pipeline
+from duplexd.engine.dialogue.engine import Engine, EngineConfig
+from duplexd.engine.dialogue.pipeline import Pipeline
 from duplexd.server.runtime import random_models
 
 _PATH = Path(__file__).resolve().parents[1] / "bench" / "gpu_capacity.py"
@@ -202,8 +202,8 @@ def test_dry_run_reports_or_fails(tmp_path, monkeypatch, capsys, fail):
 
 
 def test_the_kv_pool_bounds_the_sweep(tmp_path):
-    from duplexd.engine.config import DEMO
-    from duplexd.engine.kv_cache import PagedKVCache, window_pages
+    from duplexd.engine.kv.paged import PagedKVCache, window_pages
+    from duplexd.engine.models.config import DEMO
 
     page = PagedKVCache.page_bytes(DEMO.num_layers, DEMO.num_heads, DEMO.head_dim, 64, torch.float32)
     two_and_a_half = int(2.5 * window_pages(DEMO.context, 64) * page)
@@ -238,8 +238,8 @@ def test_the_kv_pool_bounds_the_sweep(tmp_path):
 def test_pool_sessions_counts_mimi_streams_per_slot(monkeypatch):
     """Each slot costs Mimi streams beside its KV pages, so the bench asks the engine's sizing rule for the most
     slots whose sessions all fit (CUDA memory stubbed, checked on the CPU)."""
-    from duplexd.engine.engine import CUDA_HEADROOM
-    from duplexd.engine.kv_cache import PagedKVCache, window_pages
+    from duplexd.engine.dialogue.engine import CUDA_HEADROOM
+    from duplexd.engine.kv.paged import PagedKVCache, window_pages
     from duplexd.engine.models.mimi import MimiStreams
 
     lm, mimi = random_models("demo", "cpu", torch.float32)

@@ -63,7 +63,7 @@ def test_classify_takes_the_innermost_matching_frame():
     shared = root + ["AudioDeltas.__call__ (server/realtime_events.py:190)", "pcm16_base64 (duplexd/wire.py:100)"]
     assert ho.classify(shared, "event-loop") == "framing"  # the same split in the shared wire-format module
     assert ho.classify(shared + ["pcm16 (duplexd/wire.py:82)"], "event-loop") == "codec"
-    push = root + ["Pump.push (server/pump.py:125)", "Session.push (engine/session.py:80)"]
+    push = root + ["Pump.push (server/pump.py:125)", "Session.push (engine/dialogue/session.py:80)"]
     assert ho.classify(push, "event-loop") == "engine"
     assert ho.classify(root + ["Pump._write (server/pump.py:140)"], "event-loop") == "server"
     assert ho.classify(root + ["Histogram.observe (prometheus_client/metrics.py:600)"], "event-loop") == "metrics"
@@ -77,10 +77,10 @@ def test_parse_raw_profile_and_attribution():
         [
             "thread (100): MainThread;main (x.py:1);OpusEncoder.encode (server/opus.py:35) 30",
             "thread (100): MainThread;main (x.py:1);write_frame (websockets/legacy/protocol.py:1) 10",
-            "thread (0x65): duplexd-engine;Engine._step (engine/scheduler.py:340) 20",
+            "thread (0x65): duplexd-engine;Engine._step (engine/dialogue/scheduler.py:340) 20",
             "thread (102): other;run (threading.py:1) 5",
             "thread (103): MainThread;main (x.py:1);Pump.push (server/pump.py:1) 0",
-            "thread (104): duplexd-engine-cpu;Engine._step (engine/scheduler.py:340) 0",
+            "thread (104): duplexd-engine-cpu;Engine._step (engine/dialogue/scheduler.py:340) 0",
             "garbage line",
         ]
     )

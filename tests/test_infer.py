@@ -13,8 +13,8 @@ from moshi.models.lm import LMGen as RefLMGen
 from safetensors.torch import save_file
 
 from duplexd.cli import main
-from duplexd.engine.config import LMConfig
-from duplexd.engine.tokenizer import TextTokenizer, train_tokenizer
+from duplexd.engine.models.config import LMConfig
+from duplexd.engine.models.tokenizer import TextTokenizer, train_tokenizer
 from duplexd.infer import read_audio
 
 from .ref_models import fused_state_dict, reference_lm, reference_mimi
@@ -36,7 +36,7 @@ def speech_like(seconds: float, rate: int, seed: int = 0) -> np.ndarray:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    corpus = resources.files("duplexd.engine").joinpath("data", "demo_corpus.txt").read_text().splitlines()
+    corpus = resources.files("duplexd.engine.weights").joinpath("data", "demo_corpus.txt").read_text().splitlines()
     train_tokenizer(corpus, root / "tok.model", 400)
     cfg = LMConfig(
         dim=64,

@@ -1,6 +1,7 @@
 """`duplexd infer --text-prompt T --voice-prompt V` on a tiny random PersonaPlex checkpoint, greedy: the
 --tokens-out JSONL from the first live frame on against the plain-Python statement of the reference's rules
-(`personaplex_ref`), with a `.pt` preset and with an audio voice; and each refusal of a bad prompt."""
+(`personaplex_ref`, with NVIDIA's ring rule), with a `.pt` preset and with an audio voice, the session running
+past the model's window; and each refusal of a bad prompt."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from duplexd.cli import main
-from duplexd.engine.checkpoint import load_lm, load_mimi
-from duplexd.engine.tokenizer import TextTokenizer, train_tokenizer
-from duplexd.engine.voices import load_audio_voice
+from duplexd.engine.models.tokenizer import TextTokenizer, train_tokenizer
+from duplexd.engine.persona.voices import load_audio_voice
+from duplexd.engine.weights.checkpoint import load_lm, load_mimi
 from duplexd.infer import read_audio
 
 from .personaplex_files import PP_SMALL, write_personaplex
@@ -26,7 +27,9 @@ from .personaplex_ref import Oracle, ReferenceSession, preset_from_codes
 from .ref_models import reference_mimi
 from .test_infer import FRAME, speech_like
 
-CFG = dataclasses.replace(PP_SMALL, text_card=400)  # a real tokenizer's vocabulary
+# A real tokenizer's vocabulary; a 96-frame window, which the prompt (82-85 frames) and 2.5 s of input overrun.
+CFG = dataclasses.replace(PP_SMALL, text_card=400, context=96)
+INPUT_SECONDS, LIVE = 2.5, 32
 ROLE = "You are a wise and friendly teacher who answers questions about the weather."
 VOICE_CODES = torch.randint(0, CFG.card, (5, 8), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -35,13 +38,13 @@ VOICE_CODES = torch.randint(0, CFG.card, (5, 8), generator=torch.Generator().man
 def files(tmp_path_factory):
     """A PersonaPlex checkpoint, its Mimi and tokenizer, a user's input, a `.pt` preset and an audio voice."""
     root = tmp_path_factory.mktemp("pp_infer")
-    corpus = resources.files("duplexd.engine").joinpath("data", "demo_corpus.txt").read_text().splitlines()
+    corpus = resources.files("duplexd.engine.weights").joinpath("data", "demo_corpus.txt").read_text().splitlines()
     train_tokenizer(corpus, root / "tok.model", 400)
     assert TextTokenizer(root / "tok.model").vocab_size == CFG.text_card
     weights, ref_lm = write_personaplex(root, CFG, seed=4)
     ref_mimi = reference_mimi(seed=12)
     save_file({k: v.contiguous() for k, v in ref_mimi.state_dict().items()}, str(root / "mimi.safetensors"))
-    sf.write(root / "in.wav", speech_like(1.0, 24000, seed=3)[:, 0], 24000)
+    sf.write(root / "in.wav", speech_like(INPUT_SECONDS, 24000, seed=3)[:, 0], 24000)
     torch.save(preset_from_codes(CFG, ref_lm, VOICE_CODES), root / "voice.pt")
     sf.write(root / "voice.wav", speech_like(0.6, 16000, seed=5), 16000)  # resampled, channel 0
     return root, weights, ref_lm, ref_mimi
@@ -93,18 +96,20 @@ def _expected(files, role: str, codes=None, preset=None) -> list[dict]:
     root, _, ref_lm, ref_mimi = files
     sp = spm.SentencePieceProcessor(model_file=str(root / "tok.model"))
     text = sp.encode(f"<system> {role} <system>")  # no BOS, no EOS
-    oracle = Oracle(ref_lm)
+    oracle = Oracle(ref_lm, ring_rule="personaplex")
     try:
         session = ReferenceSession(CFG, oracle)
         session.prompt(text, codes=codes, preset=preset)
+        prompted = len(session.calls)
         live = [session.live(u) for u in _user_codes(ref_mimi, root)]
     finally:
         oracle.close()
+    assert prompted + len(live) > CFG.context + 10  # the session's last frames are well past the window
     return [{"frame": i, "text": c.output[0], "audio": c.output[1:9]} for i, c in enumerate(live)]
 
 
 def _check(ours: list[dict], expected: list[dict]) -> None:
-    assert len(ours) == len(expected) == 13  # every live frame has an output: the prompt warmed the delays up
+    assert len(ours) == len(expected) == LIVE  # every live frame has an output: the prompt warmed the delays up
     for a, b in zip(ours, expected, strict=True):
         assert a == b, f"frame {b['frame']}"
     assert len({r["text"] for r in ours} | {r["audio"][0] for r in ours}) > 3, "degenerate run"
@@ -116,7 +121,7 @@ def test_preset_voice_matches_the_reference_rules(files, tmp_path):
     preset = (state["embeddings"][:, 0], len(VOICE_CODES), state["cache"][0].tolist())
     _check(_infer(files, tmp_path, ROLE, "voice.pt"), _expected(files, ROLE, preset=preset))
     out, rate = sf.read(tmp_path / "out.wav")
-    assert rate == 24000 and len(out) == 13 * FRAME  # OUT starts at the first live frame too
+    assert rate == 24000 and len(out) == LIVE * FRAME  # OUT starts at the first live frame too
 
 
 def test_audio_voice_matches_the_reference_rules(files, tmp_path):

@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from duplexd.engine.config import LMConfig, SamplingParams
+from duplexd.engine.dialogue.lm_gen import LMGen
+from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError
-from duplexd.engine.kv_cache import PagedKVCache
-from duplexd.engine.lm_gen import LMGen
+from duplexd.engine.kv.paged import PagedKVCache
+from duplexd.engine.models.config import LMConfig
 
 from .ref_models import reference_lm
 from .test_lm_parity import SMALL, ReferenceRun, _write
@@ -74,7 +75,7 @@ def test_batch_view_writes_where_the_table_says():
 def test_reference_greedy_tokens_past_the_window_on_fragmented_pages(tmp_path):
     """Context 24 in pages of 5 frames (so pages straddle the window edge), two sessions at different positions
     on a pool whose pages were handed out out of order, run for 3x the context: the reference's greedy tokens."""
-    from duplexd.engine.checkpoint import load_lm
+    from duplexd.engine.weights.checkpoint import load_lm
 
     cfg = LMConfig(**SMALL, context=24)
     ref_lm = reference_lm(cfg, seed=5)

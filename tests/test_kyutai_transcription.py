@@ -34,10 +34,10 @@ transformers = pytest.importorskip("transformers")
 from duplexd.cli import main  # noqa: E402
 from duplexd.clients.audio import read_audio, write_wav  # noqa: E402
 from duplexd.clients.kyutai import encode_stream  # noqa: E402
-from duplexd.engine.demo import ensure_demo  # noqa: E402
-from duplexd.engine.gemma4_demo import ensure_gemma4_demo  # noqa: E402
-from duplexd.engine.transcriber import DEFAULT_PROMPT  # noqa: E402
-from duplexd.engine.vad import load_silero  # noqa: E402
+from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT  # noqa: E402
+from duplexd.engine.transcription.vad import load_silero  # noqa: E402
+from duplexd.engine.weights.demo import ensure_demo  # noqa: E402
+from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
 from duplexd.server.query import BadQuery, transcription_from_query  # noqa: E402
 from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, USER_EVENTS, Kind, split_frames  # noqa: E402
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from duplexd.engine.config import LMConfig, SamplingParams
-from duplexd.engine.demo import random_lm
-from duplexd.engine.lm_gen import UNGENERATED, LMGen
+from duplexd.engine.dialogue.lm_gen import UNGENERATED, LMGen
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.models.config import LMConfig
+from duplexd.engine.weights.demo import random_lm
 from duplexd.kernels.sampling import sample
 
 CFG = LMConfig(

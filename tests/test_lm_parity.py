@@ -9,9 +9,10 @@ import torch
 from moshi.models.lm import LMGen as RefLMGen
 from safetensors.torch import save_file
 
-from duplexd.engine.checkpoint import load_lm
-from duplexd.engine.config import LMConfig, SamplingParams
-from duplexd.engine.lm_gen import LMGen
+from duplexd.engine.dialogue.lm_gen import LMGen
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.models.config import LMConfig
+from duplexd.engine.weights.checkpoint import load_lm
 
 from .ref_models import fused_state_dict, reference_lm
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from duplexd.engine.checkpoint import load_mimi
-from duplexd.engine.config import DEMO_MIMI, MIMI, MimiConfig
+from duplexd.engine.models.config import DEMO_MIMI, MIMI, MimiConfig
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
+from duplexd.engine.weights.checkpoint import load_mimi
 
 from .ref_models import reference_mimi
 

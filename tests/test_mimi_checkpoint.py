@@ -7,10 +7,10 @@ import torch
 from moshi.models import loaders
 from safetensors.torch import load_file, save_file
 
-from duplexd.engine.checkpoint import MIMI_NAME, load_mimi, mimi_key_map, save_mimi_weights
-from duplexd.engine.config import MIMI, MimiConfig
 from duplexd.engine.errors import CheckpointError
+from duplexd.engine.models.config import MIMI, MimiConfig
 from duplexd.engine.models.mimi import MimiModel
+from duplexd.engine.weights.checkpoint import MIMI_NAME, load_mimi, mimi_key_map, save_mimi_weights
 
 from .ref_models import reference_mimi
 

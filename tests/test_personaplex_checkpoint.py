@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from duplexd.engine.checkpoint import depformer_sets, lm_config_for, load_lm
-from duplexd.engine.config import MOSHI_7B, PERSONAPLEX_7B, ConfigError, LMConfig
+from duplexd.engine.dialogue.lm_gen import LMGen
 from duplexd.engine.errors import CheckpointError
-from duplexd.engine.lm_gen import LMGen
+from duplexd.engine.models.config import MOSHI_7B, PERSONAPLEX_7B, ConfigError, LMConfig
+from duplexd.engine.weights.checkpoint import depformer_sets, lm_config_for, load_lm
 
 from .personaplex_files import PP_SMALL, personaplex_state_dict, write_personaplex
 from .ref_models import reference_lm

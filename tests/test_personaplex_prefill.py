@@ -8,26 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from duplexd.engine import kv_cache, lm_gen
-from duplexd.engine.checkpoint import build_lm, load_lm
-from duplexd.engine.config import DEMO_MIMI, PERSONAPLEX_7B, SamplingParams
-from duplexd.engine.demo import random_lm
-from duplexd.engine.engine import Engine, EngineConfig
+from duplexd.engine.dialogue import lm_gen
+from duplexd.engine.dialogue.engine import Engine, EngineConfig
+from duplexd.engine.dialogue.lm_gen import LMGen
+from duplexd.engine.dialogue.pipeline import Pipeline
+from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError
-from duplexd.engine.lm_gen import LMGen
+from duplexd.engine.kv import paged
+from duplexd.engine.models.config import DEMO_MIMI, PERSONAPLEX_7B
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
-from duplexd.engine.persona import SILENCE_CODES, TEXT_PAD, PersonaPrompt, PromptChunk, Voice, build_prompt
-from duplexd.engine.pipeline import Pipeline
-from duplexd.engine.voices import load_preset
+from duplexd.engine.persona.prompt import SILENCE_CODES, TEXT_PAD, PersonaPrompt, PromptChunk, Voice, build_prompt
+from duplexd.engine.persona.voices import load_preset
+from duplexd.engine.weights.checkpoint import build_lm, load_lm
+from duplexd.engine.weights.demo import random_lm
 from duplexd.kernels.dispatch import force_triton
 
-from .host_sync import HostWork
+from .host_sync import ROOT, HostWork
 from .personaplex_files import PP_SMALL, write_personaplex
 from .personaplex_ref import preset_from_codes
 from .test_infer import speech_like
@@ -283,11 +286,11 @@ def test_prefill_makes_no_host_sync(monkeypatch):
     made = {op.where.split(" ")[0] for op in host.ops}
     assert made == {
         _line_of(lm_gen, "rows = self._upload(torch.tensor("),
-        _line_of(kv_cache, "row = torch.from_numpy("),
+        _line_of(paged, "row = torch.from_numpy("),
     }, host.ops
 
 
 def _line_of(module, text: str) -> str:
     with open(module.__file__, encoding="utf-8") as f:
         number = next(i for i, line in enumerate(f, 1) if text in line)
-    return f"engine/{module.__name__.rsplit('.', 1)[-1]}.py:{number}"
+    return f"{Path(module.__file__).resolve().relative_to(ROOT).as_posix()}:{number}"

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from duplexd.engine.checkpoint import load_lm
-from duplexd.engine.config import SamplingParams
-from duplexd.engine.lm_gen import LMGen
-from duplexd.engine.persona import SILENCE_CODES, TEXT_PAD, Voice, build_prompt
-from duplexd.engine.voices import load_preset
+from duplexd.engine.dialogue.lm_gen import LMGen
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.persona.prompt import SILENCE_CODES, TEXT_PAD, Voice, build_prompt
+from duplexd.engine.persona.voices import load_preset
+from duplexd.engine.weights.checkpoint import load_lm
 
 from .personaplex_files import PP_SMALL, write_personaplex
 from .personaplex_ref import Oracle, ReferenceSession, preset_from_codes
@@ -148,7 +148,7 @@ def test_one_prompt_word_or_voice_frame_changes_what_follows(models, change):
 
 
 def test_prompt_refused_on_a_moshi_model():
-    from duplexd.engine.demo import random_lm
+    from duplexd.engine.weights.demo import random_lm
 
     moshi_cfg = dataclasses.replace(CFG, dep_q=8)
     moshi = random_lm(moshi_cfg, seed=0)

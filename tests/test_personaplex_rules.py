@@ -6,13 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from duplexd.engine.persona import (
-    SILENCE_CODES,
-    SINE_CODES,
-    TEXT_PAD,
-    prompt_calls,
-    wrap_role_text,
-)
+from duplexd.engine.persona.prompt import SILENCE_CODES, SINE_CODES, TEXT_PAD, prompt_calls, wrap_role_text
 
 from .personaplex_files import PP_SMALL
 from .personaplex_ref import Oracle, ReferenceSession, preset_from_codes

@@ -33,9 +33,9 @@ from openai.types.realtime.conversation_item_input_audio_transcription_completed
 from websockets.asyncio.client import connect  # noqa: E402
 
 from duplexd import wire  # noqa: E402
-from duplexd.engine.gemma4_demo import ensure_gemma4_demo  # noqa: E402
-from duplexd.engine.transcriber import DEFAULT_PROMPT, Transcriber  # noqa: E402
-from duplexd.engine.vad import load_silero  # noqa: E402
+from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT, Transcriber  # noqa: E402
+from duplexd.engine.transcription.vad import load_silero  # noqa: E402
+from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE, split_frames  # noqa: E402
 
 from .gemma4_ref import generate, load_reference  # noqa: E402

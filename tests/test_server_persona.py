@@ -39,13 +39,14 @@ from duplexd.cli import main
 from duplexd.clients.audio import write_wav
 from duplexd.clients.chat import chat
 from duplexd.clients.connection import ConnectOptions, Refused, Sampling, open_connection
-from duplexd.engine.checkpoint import load_lm, load_mimi
-from duplexd.engine.config import MIMI_PRESETS, SamplingParams
-from duplexd.engine.demo import ensure_demo
-from duplexd.engine.persona import Voice, role_prompt
-from duplexd.engine.pipeline import Pipeline
-from duplexd.engine.tokenizer import TextTokenizer
-from duplexd.engine.voices import VoiceLibrary, load_preset
+from duplexd.engine.dialogue.pipeline import Pipeline
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.models.config import MIMI_PRESETS
+from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.persona.prompt import Voice, role_prompt
+from duplexd.engine.persona.voices import VoiceLibrary, load_preset
+from duplexd.engine.weights.checkpoint import load_lm, load_mimi
+from duplexd.engine.weights.demo import ensure_demo
 from duplexd.server.persona import DEFAULT_TEXT, KYUTAI, REALTIME, PersonaRefused, Personas
 from duplexd.wire import pcm16, pcm_from_pcm16, split_frames
 

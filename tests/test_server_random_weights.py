@@ -9,11 +9,11 @@ import dataclasses
 import httpx2
 import pytest
 
-from duplexd.engine.config import DEMO
-from duplexd.engine.demo import ensure_demo
 from duplexd.engine.errors import CheckpointError
-from duplexd.engine.model_files import check_tokenizer
-from duplexd.engine.tokenizer import TextTokenizer
+from duplexd.engine.models.config import DEMO
+from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.weights.demo import ensure_demo
+from duplexd.engine.weights.model_files import check_tokenizer
 from duplexd.server.cli import settings_from_args
 from duplexd.server.runtime import RandomTextTokenizer
 from duplexd.server.settings import SettingsError

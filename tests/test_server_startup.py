@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from duplexd.engine.demo import ensure_demo
+from duplexd.engine.weights.demo import ensure_demo
 
 from .live_server import free_port
 

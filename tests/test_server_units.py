@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 from starlette.websockets import WebSocketDisconnect
 
-from duplexd.engine.config import SamplingParams
-from duplexd.engine.engine import EngineStats
+from duplexd.engine.dialogue.engine import EngineStats
+from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.server import protocol
 from duplexd.server import realtime_events as ev
 from duplexd.server.access import access_denied, presented_key

@@ -14,7 +14,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from duplexd.engine.demo import ensure_demo
+from duplexd.engine.weights.demo import ensure_demo
 
 from .live_server import running_server
 from .personaplex_files import PP_DEMO_TEXT, write_personaplex

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from duplexd.engine.demo import ensure_demo
+from duplexd.engine.weights.demo import ensure_demo
 
 # name: (command line after `duplexd`, text the error line must hold, extra environment)
 CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
@@ -233,7 +233,7 @@ def _gemma_variants(cache: Path, out: Path) -> Path:
     """Copies of the Gemma 4 demo: without its audio tower's tensors, and without one of them."""
     from safetensors.torch import load_file, save_file
 
-    from duplexd.engine.gemma4_demo import ensure_gemma4_demo
+    from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo
 
     demo = ensure_gemma4_demo(cache)
     weights = load_file(demo / "model.safetensors")

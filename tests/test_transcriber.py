@@ -15,11 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from duplexd import cli  # noqa: E402
 from duplexd.clients.audio import speech_like, write_wav  # noqa: E402
-from duplexd.engine.transcriber import (  # noqa: E402
-    STEP_SAMPLES,
-    Transcriber,
-    num_audio_tokens,
-)
+from duplexd.engine.transcription.transcriber import STEP_SAMPLES, Transcriber, num_audio_tokens  # noqa: E402
 
 from .gemma4_ref import generate, hf_inputs  # noqa: E402
 
@@ -158,7 +154,7 @@ def test_past_30_s_is_dropped_as_the_reference_does(tr):
 
 
 def test_demo_is_written_once(tmp_path, monkeypatch):
-    from duplexd.engine import gemma4_demo
+    from duplexd.engine.weights import gemma4_demo
 
     first = gemma4_demo.ensure_gemma4_demo(tmp_path)
     assert (first / "model.safetensors").is_file() and (first / "tokenizer.json").is_file()

@@ -15,8 +15,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from duplexd.engine.transcriber import Transcriber  # noqa: E402
-from duplexd.engine.transcription import (  # noqa: E402
+from duplexd.engine.transcription.service import (  # noqa: E402
     SpeechBegan,
     SpeechEnded,
     TranscriptDelta,
@@ -25,7 +24,8 @@ from duplexd.engine.transcription import (  # noqa: E402
     TranscriptionConfig,
     TranscriptionService,
 )
-from duplexd.engine.vad import VAD_RATE, SpeechStopped, VadSegmenter, load_silero, segments  # noqa: E402
+from duplexd.engine.transcription.transcriber import Transcriber  # noqa: E402
+from duplexd.engine.transcription.vad import VAD_RATE, SpeechStopped, VadSegmenter, load_silero, segments  # noqa: E402
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE, split_frames  # noqa: E402
 
 from .gemma4_ref import generate  # noqa: E402

@@ -26,9 +26,9 @@ from websockets.asyncio.client import connect
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from duplexd.engine.gemma4_demo import ensure_gemma4_demo  # noqa: E402
-from duplexd.engine.transcriber import DEFAULT_PROMPT  # noqa: E402
-from duplexd.engine.vad import VAD_RATE, VadConfig, load_silero, segments  # noqa: E402
+from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT  # noqa: E402
+from duplexd.engine.transcription.vad import VAD_RATE, VadConfig, load_silero, segments  # noqa: E402
+from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
 from duplexd.server.audio_upload import UploadError, decode  # noqa: E402
 
 from .gemma4_ref import generate, load_reference  # noqa: E402

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soxr
 
-from duplexd.engine.vad import (
+from duplexd.engine.transcription.vad import (
     VAD_RATE,
     SpeechStarted,
     SpeechStopped,

@@ -10,11 +10,10 @@ import sphn
 import torch
 from safetensors.torch import save_file
 
-from duplexd.engine.checkpoint import load_mimi
-from duplexd.engine.config import DEMO_MIMI
 from duplexd.engine.errors import InputRefused
+from duplexd.engine.models.config import DEMO_MIMI
 from duplexd.engine.models.mimi import MimiStreams
-from duplexd.engine.voices import (
+from duplexd.engine.persona.voices import (
     VoiceError,
     VoiceLibrary,
     load_audio_voice,
@@ -23,6 +22,7 @@ from duplexd.engine.voices import (
     read_voice_audio,
     voice_frames_pcm,
 )
+from duplexd.engine.weights.checkpoint import load_mimi
 
 from .personaplex_files import PP_SMALL
 from .personaplex_ref import preset_from_codes

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..audio_features import LogMel, LogMelConfig
+from .log_mel import LogMel, LogMelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,11 @@ class ClippableLinear(nn.Module):
         else:
             self._bounds = (None, None, None, None)
         self.packed = pack_weight(self.linear.weight) if pack else None
+
+    @property
+    def input_bounds(self) -> tuple[float | None, float | None]:
+        """The input clamp once prepared (None where unbounded)."""
+        return (self._bounds or (None, None))[:2]
 
     def clip_in(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         if self._bounds is None:
@@ -402,7 +407,7 @@ class Attention(nn.Module):
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.post):
             lin.prepare(pack)
         self._rel_k = self.relative_keys()
-        in_bounds = {(lin._bounds or (None, None))[:2] for lin in (self.q_proj, self.k_proj, self.v_proj)}
+        in_bounds = {lin.input_bounds for lin in (self.q_proj, self.k_proj, self.v_proj)}
         same_in = len(in_bounds) == 1  # the three share their input clamp, so one fused projection serves
         if same_in:
             w = torch.cat([self.q_proj.linear.weight, self.k_proj.linear.weight, self.v_proj.linear.weight]).detach()

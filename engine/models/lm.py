@@ -28,8 +28,8 @@ from duplexd.kernels.rms_norm import add_rms_norm, rms_norm
 from duplexd.kernels.rope import rope_angles, rope_qk
 from duplexd.kernels.silu_gate import silu_gate
 
-from ..config import LMConfig
-from ..kv_cache import PagedBatch, PagedKVCache
+from ..kv.paged import PagedBatch, PagedKVCache
+from .config import LMConfig
 
 NORM_EPS = 1e-8
 
@@ -118,6 +118,7 @@ class LMModel(nn.Module):
             page_size=page_size,
             dtype=self.text_emb.dtype,
             device=self.text_emb.device,
+            window=cfg.attention_window,
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 
 from ...kernels.cpu_matmul import MAX_ROWS, matmul
 from ...kernels.rope import apply_rope, rope_angles
-from ..config import MimiConfig
+from .config import MimiConfig
 
 logger = logging.getLogger(__name__)
 
@@ -373,7 +373,11 @@ class Codebook(nn.Module):
 class _VQ(nn.Module):
     def __init__(self, dim: int, card: int) -> None:
         super().__init__()
-        self._codebook = Codebook(dim, card)
+        self._codebook = Codebook(dim, card)  # the reference's key name (`layers.N._codebook.embedding_sum`)
+
+    @property
+    def codebook(self) -> Codebook:
+        return self._codebook
 
 
 class _VQLayers(nn.Module):
@@ -393,7 +397,7 @@ class ResidualVQ(nn.Module):
 
     @property
     def codebooks(self) -> list[Codebook]:
-        return [cast(_VQ, layer)._codebook for layer in self.vq.layers]
+        return [cast(_VQ, layer).codebook for layer in self.vq.layers]
 
     def encode(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """x [N, dim] → codes [N, n]: nearest centroid of the residual, codebook after codebook."""

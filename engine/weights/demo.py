@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ..models.config import DEMO, DEMO_MIMI, LMConfig
+from ..models.lm import LMModel
+from ..models.mimi import MimiModel
+from ..models.tokenizer import TextTokenizer, train_tokenizer
 from .checkpoint import CONFIG_NAME, MIMI_NAME, MOSHI_NAME, build_lm, save_lm_weights, save_mimi_weights
-from .config import DEMO, DEMO_MIMI, LMConfig
-from .models.lm import LMModel
-from .models.mimi import MimiModel
-from .tokenizer import TextTokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -23,18 +23,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, SamplingParams
+from ..kv.paged import PagedKVCache, window_pages
+from ..listeners import Listeners
+from ..models.config import ConfigError
+from ..models.lm import LMModel
+from ..models.mimi import MimiModel, MimiStreams
+from ..models.tokenizer import TextTokenizer
+from ..persona.prompt import PersonaPrompt
 from .graphs import default_buckets
-from .kv_cache import PagedKVCache, window_pages
-from .listeners import Listeners
-from .models.lm import LMModel
-from .models.mimi import MimiModel, MimiStreams
-from .persona import PersonaPrompt
 from .pipeline import Pipeline
 from .runner import Runner
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .session import Session, SessionOutput
-from .tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 

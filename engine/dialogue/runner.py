@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .kv_cache import PagedKVCache
-from .persona import PersonaPrompt, PromptChunk
+from ..kv.paged import PagedKVCache
+from ..models.tokenizer import TextTokenizer
+from ..persona.prompt import PersonaPrompt, PromptChunk
 from .pipeline import Pipeline
 from .plan import PrefillResult, StepPlan, StepResult
-from .tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 

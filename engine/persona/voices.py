@@ -23,10 +23,10 @@ import numpy as np
 import sphn
 import torch
 
-from .config import LMConfig
-from .errors import InputRefused
-from .models.mimi import MimiModel, MimiStreams, Rows
-from .persona import REFERENCE_RING, SINE_CODES, TARGET_LUFS, TEXT_PAD, Voice
+from ..errors import InputRefused
+from ..models.config import LMConfig
+from ..models.mimi import MimiModel, MimiStreams, Rows
+from .prompt import REFERENCE_RING, SINE_CODES, TARGET_LUFS, TEXT_PAD, Voice
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -17,6 +16,10 @@ logger = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """A configuration that duplexd cannot run, with the offending key named."""
+
+
+# Ring KV cache rules (`LMConfig.ring_rule`): how many of the window's `context` keys the rule leaves out once full.
+RING_RULES: dict[str, int] = {"moshi": 0, "personaplex": 1}
 
 
 def gated_hidden(dim: int, dim_feedforward: int) -> int:
@@ -47,6 +50,10 @@ class LMConfig:
     depformer_num_heads: int = 16
     depformer_num_layers: int = 6
     delays: tuple[int, ...] = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+    # Not a reference key: which ring KV cache the checkpoint's own server runs, chosen by the loader. "moshi"
+    # (moshi 0.2.13) attends all `context` keys once the window is full; "personaplex" (NVIDIA's fork, which carries
+    # moshi's older ring cache) gives the oldest entry a future position, so it attends `context - 1`.
+    ring_rule: str = "moshi"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "delays", tuple(int(d) for d in self.delays))
@@ -64,8 +71,17 @@ class LMConfig:
             raise ConfigError("more user codebooks than model codebooks is not supported")
         if self.context < 1:
             raise ConfigError("context must be positive")
+        if self.ring_rule not in RING_RULES:
+            raise ConfigError(f"ring_rule {self.ring_rule!r} is not one of {', '.join(RING_RULES)}")
+        if self.attention_window < 1:
+            raise ConfigError(f"context {self.context} leaves no key to attend under the {self.ring_rule} ring rule")
 
     # Derived sizes.
+    @property
+    def attention_window(self) -> int:
+        """Keys a temporal query attends once the window is full (`ring_rule`), in decode and in the prefill."""
+        return self.context - RING_RULES[self.ring_rule]
+
     @property
     def num_codebooks(self) -> int:
         return self.n_q + 1
@@ -136,6 +152,7 @@ class LMConfig:
         """The reference `config.json` form (LM kwargs); readable by both duplexd and `moshi`."""
         out = dataclasses.asdict(self)
         out["delays"] = list(self.delays)
+        del out["ring_rule"]  # duplexd's own: the reference knows one rule
         out.update(_REFERENCE_FIXED)
         return out
 
@@ -193,7 +210,7 @@ _IGNORED = {
 
 def lm_config_from_dict(raw: dict[str, Any]) -> LMConfig:
     """Build an `LMConfig` from the reference's LM kwargs (a parsed `config.json`)."""
-    fields = {f.name for f in dataclasses.fields(LMConfig)}
+    fields = {f.name for f in dataclasses.fields(LMConfig)} - {"ring_rule"}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key in fields:
@@ -214,7 +231,7 @@ def lm_config_from_dict(raw: dict[str, Any]) -> LMConfig:
 
 MOSHI_7B = LMConfig()
 # PersonaPlex 7B (`nvidia/personaplex-7b-v1`): Moshi 7B whose DepFormer also predicts the user's 8 codebooks.
-PERSONAPLEX_7B = dataclasses.replace(MOSHI_7B, dep_q=16)
+PERSONAPLEX_7B = dataclasses.replace(MOSHI_7B, dep_q=16, ring_rule="personaplex")
 
 # Tiny, real architecture: several layers and heads, all 16 input codebooks, 8 DepFormer steps.
 # `text_card` is replaced by the demo tokenizer's vocabulary size when the demo is written.
@@ -230,37 +247,6 @@ DEMO = LMConfig(
 )
 
 PRESETS: dict[str, LMConfig] = {"moshi-7b": MOSHI_7B, "demo": DEMO}
-
-
-# Text tokens a session's repetition penalty can look back over: the size of LMGen's per-slot history.
-MAX_REPETITION_CONTEXT = 256
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-session sampling; reference web-client defaults. Temperature 0 means greedy."""
-
-    text_temperature: float = 0.7
-    text_topk: int = 25
-    audio_temperature: float = 0.8
-    audio_topk: int = 250
-    seed: int = field(default=0)
-    # Text-only knobs of the Rust server (its web client sends them): 1.0 and 0.0 are off.
-    repetition_penalty: float = 1.0
-    repetition_penalty_context: int = 64
-    pad_mult: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.text_temperature < 0 or self.audio_temperature < 0:
-            raise ConfigError("temperatures must be >= 0")
-        if self.text_topk < 1 or self.audio_topk < 1:
-            raise ConfigError("top-k values must be >= 1")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ConfigError("repetition_penalty must be a finite number > 0")
-        if not 0 <= self.repetition_penalty_context <= MAX_REPETITION_CONTEXT:
-            raise ConfigError(f"repetition_penalty_context must be in 0..{MAX_REPETITION_CONTEXT}")
-        if not math.isfinite(self.pad_mult):
-            raise ConfigError("pad_mult must be a finite number")
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ import torch
 
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE
 
-from .errors import CapacityError
-from .listeners import Listeners
-from .mailbox import Mailbox
+from ..errors import CapacityError
+from ..listeners import Listeners
+from ..mailbox import Mailbox
 from .transcriber import DEFAULT_PROMPT, MAX_SAMPLES, Transcriber
 from .vad import VAD_RATE, SpeechStarted, SpeechStopped, VadConfig, VadSegmenter
 
@@ -171,6 +171,11 @@ class TranscriptStream:
         self._service.closing(self)
 
     # -- service side (lock held)
+    @property
+    def has_input(self) -> bool:
+        """Frames or a drop count wait for the stream thread."""
+        return bool(self._inbox) or self.dropped_frames > 0
+
     def take_frames(self) -> tuple[list[np.ndarray], int]:
         frames, dropped = list(self._inbox), self.dropped_frames
         self._inbox.clear()
@@ -353,7 +358,7 @@ class TranscriptionService:
                     return
                 opened, self._opened = self._opened, []
                 closed, self._closed = self._closed, []
-                taken = {s: s.take_frames() for s in self._streams.values() if s._inbox or s.dropped_frames}
+                taken = {s: s.take_frames() for s in self._streams.values() if s.has_input}
                 job = self._files[0] if self._files else None
             for stream in opened:
                 self.vad.open(stream.slot)
@@ -366,7 +371,7 @@ class TranscriptionService:
     def _has_work(self) -> bool:
         if self._stopping or self._opened or self._closed or self._files:
             return True
-        return any(s._inbox or s.dropped_frames for s in self._streams.values())
+        return any(s.has_input for s in self._streams.values())
 
     def _end_stream(self, stream: TranscriptStream) -> None:
         self.vad.close(stream.slot)  # its events would go to nobody

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 WORD_START = "\u2581"  # sentencepiece's word-boundary marker
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .config import LMConfig
-from .errors import InputRefused
+from ..errors import InputRefused
+from ..models.config import LMConfig
 
 SILENCE_CODES = (948, 243, 1178, 546, 1736, 1030, 1978, 2008)  # one frame of silence, 8 Mimi codebooks
 SINE_CODES = (430, 1268, 381, 1611, 1095, 1495, 56, 472)  # one frame of a 440 Hz tone at half amplitude

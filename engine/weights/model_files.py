@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..errors import CheckpointError
+from ..models.config import LMConfig
+from ..models.tokenizer import TextTokenizer
 from .checkpoint import CONFIG_NAME, MIMI_NAME, MOSHI_NAME, lm_config_for
-from .config import LMConfig
 from .demo import ensure_demo
-from .errors import CheckpointError
 from .hub import hub_repo, resolve_file
-from .tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import SamplingParams
+from ..kv.paged import PagedKVCache
+from ..models.lm import LMModel
+from ..models.mimi import MimiModel, MimiStreams, Rows
+from ..persona.prompt import PersonaPrompt, PromptChunk
 from .graphs import BucketedCall, default_buckets
-from .kv_cache import PagedKVCache
 from .lm_gen import LMGen
-from .models.lm import LMModel
-from .models.mimi import MimiModel, MimiStreams, Rows
-from .persona import PersonaPrompt, PromptChunk
+from .sampling import SamplingParams
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _FILE_SUFFIXES = {".safetensors", ".sft", ".sfts", ".json", ".model", ".pt", ".bin"}

@@ -22,12 +22,12 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from .config import SamplingParams
-from .errors import CapacityError
-from .kv_cache import PagedKVCache
-from .listeners import Listeners
-from .persona import PersonaPrompt, PromptChunk
+from ..errors import CapacityError
+from ..kv.paged import PagedKVCache
+from ..listeners import Listeners
+from ..persona.prompt import PersonaPrompt, PromptChunk
 from .plan import PrefillResult, StepPlan, StepResult
+from .sampling import SamplingParams
 from .session import Session, SessionOutput
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from duplexd.kernels.decode_attention import decode_attention
 from duplexd.kernels.dispatch import use_triton
 from duplexd.kernels.prefill_attention import causal_paged_attention_torch
 
-from .errors import CapacityError
+from ..errors import CapacityError
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,18 @@ class PagedKVCache:
         page_size: int = 64,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        window: int | None = None,
     ) -> None:
-        if page_size < 1 or num_pages < 0 or num_slots < 1:
-            raise ValueError(f"bad pool geometry: page_size {page_size}, num_pages {num_pages}, slots {num_slots}")
+        """`window`: keys a query attends (default `context`; `LMConfig.attention_window`); the ring holds
+        `context` positions either way."""
+        window = context if window is None else window
+        if page_size < 1 or num_pages < 0 or num_slots < 1 or not 0 < window <= context:
+            raise ValueError(
+                f"bad pool geometry: page_size {page_size}, num_pages {num_pages}, slots {num_slots}, "
+                f"window {window} of context {context}"
+            )
         self.context, self.page_size, self.num_pages, self.num_slots = context, page_size, num_pages, num_slots
+        self.window = window
         self.max_pages = pages_for(context, page_size)
         self.scratch = num_pages
         self.scratch_slot = num_slots
@@ -172,15 +180,15 @@ class PagedKVCache:
         return PagedBatch(table, (positions + 1).to(torch.int32), write_page, positions % self.page_size, runs)
 
     def attend(self, layer: int, view: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store this step's k, v [B, H, D] and attend q [B, H, D] to each row's window."""
+        """Store this step's k, v [B, H, D] and attend q [B, H, D] to each row's last `window` positions."""
         keys, values = self.keys[layer], self.values[layer]
         keys[view.write_page, view.write_offset] = k
         values[view.write_page, view.write_offset] = v
         if view.runs is not None and not use_triton(q):
             return torch.cat(
                 [
-                    causal_paged_attention_torch(q[a:b], keys, values, view.block_table[a], first, self.context)
+                    causal_paged_attention_torch(q[a:b], keys, values, view.block_table[a], first, self.window)
                     for a, b, first in view.runs
                 ]
             )
-        return decode_attention(q, keys, values, view.block_table, view.lengths, self.context)
+        return decode_attention(q, keys, values, view.block_table, view.lengths, self.window)

@@ -9,6 +9,7 @@ memory stays near the size of the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -21,11 +22,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import MIMI, MOSHI_7B, ConfigError, LMConfig, MimiConfig, lm_config_from_dict
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from ..models.config import MIMI, MOSHI_7B, ConfigError, LMConfig, MimiConfig, lm_config_from_dict
+from ..models.lm import LMModel
+from ..models.mimi import MimiModel, reference_keys
 from .hub import hub_file, hub_repo, resolve_file
-from .models.lm import LMModel
-from .models.mimi import MimiModel, reference_keys
 
 logger = logging.getLogger(__name__)
 
@@ -327,7 +328,15 @@ def lm_config_for(weights: Path, config: LMConfig | str | Path | None, weights_r
                 "%s holds one DepFormer set per audio codebook: a PersonaPlex checkpoint (dep_q=%d)", weights, n_q
             )
             raw = {**raw, "dep_q": n_q}
-    return _config_from(raw, source or weights)
+    return checkpoint_ring_rule(_config_from(raw, source or weights))
+
+
+def checkpoint_ring_rule(cfg: LMConfig) -> LMConfig:
+    """`cfg` with the ring rule of the server its checkpoint was made for: a PersonaPlex checkpoint (a DepFormer
+    that also predicts the user, dep_q = n_q) ran under NVIDIA's fork of moshi, whose older ring cache attends one
+    key fewer once the window is full; a Moshi checkpoint keeps moshi's rule."""
+    rule = "personaplex" if cfg.predicts_user_audio else "moshi"
+    return cfg if cfg.ring_rule == rule else dataclasses.replace(cfg, ring_rule=rule)
 
 
 def load_lm(

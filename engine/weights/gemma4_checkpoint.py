@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .audio_features import LogMel
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from ..models.gemma4_audio import Gemma4AudioConfig, Gemma4AudioEncoder
+from ..models.log_mel import LogMel
 from .hub import hub_file
-from .models.gemma4_audio import Gemma4AudioConfig, Gemma4AudioEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointError
-from .gemma4_checkpoint import load_gemma4_audio
-from .hub import hub_repo
-from .models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioStreamState
+from ..errors import CheckpointError
+from ..models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioStreamState
+from ..weights.gemma4_checkpoint import load_gemma4_audio
+from ..weights.hub import hub_repo
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def model_folder(ref: str) -> Path:
     """A Gemma 4 checkpoint in Hugging Face layout as a local folder: `demo` (the tiny random model, written once
     into the cache), a folder, or a hub repo id (its config, tokenizer and weights, through the HF cache)."""
     if ref == "demo":
-        from .gemma4_demo import ensure_gemma4_demo
+        from ..weights.gemma4_demo import ensure_gemma4_demo
 
         logger.warning("using the Gemma 4 demo model: random weights, its transcripts are a jumble of word pieces")
         return ensure_gemma4_demo()

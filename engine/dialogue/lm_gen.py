@@ -33,10 +33,10 @@ import torch
 from duplexd.kernels.sampling import sample
 from duplexd.kernels.text_penalties import repetition_penalty
 
-from .config import MAX_REPETITION_CONTEXT, SamplingParams
-from .kv_cache import PagedKVCache, window_pages
-from .models.lm import LMModel
-from .persona import PersonaPrompt, PromptChunk
+from ..kv.paged import PagedKVCache, window_pages
+from ..models.lm import LMModel
+from ..persona.prompt import PersonaPrompt, PromptChunk
+from .sampling import MAX_REPETITION_CONTEXT, SamplingParams
 
 UNGENERATED = -2
 

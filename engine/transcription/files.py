@@ -31,8 +31,8 @@ import numpy as np
 import soxr
 import torch
 
+from .service import FileSegment, TranscriptionService
 from .transcriber import DEFAULT_PROMPT, MAX_SAMPLES
-from .transcription import FileSegment, TranscriptionService
 from .vad import VAD_RATE, VadConfig, segments
 
 LOUD_DBFS = -30.0  # RMS over 100 ms at or above this counts as "as loud as speech" (speech peaks near -20 dBFS)

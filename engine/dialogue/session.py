@@ -24,10 +24,10 @@ from typing import Protocol
 
 import numpy as np
 
-from .config import SamplingParams
-from .errors import SessionClosed
-from .mailbox import Mailbox
-from .persona import PersonaPrompt
+from ..errors import SessionClosed
+from ..mailbox import Mailbox
+from ..persona.prompt import PersonaPrompt
+from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)

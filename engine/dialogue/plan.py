@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import SamplingParams
-from .persona import PromptChunk
+from ..persona.prompt import PromptChunk
+from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
