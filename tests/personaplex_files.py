@@ -19,7 +19,8 @@ from duplexd.engine.models.config import LMConfig
 
 from .ref_models import reference_lm
 
-# Tiny PersonaPlex: several layers and heads, odd text vocabulary, 16 audio streams, 16 DepFormer sets.
+# Tiny PersonaPlex: several layers and heads, odd text vocabulary, 16 audio streams, 16 DepFormer sets; NVIDIA's ring
+# rule, as the loader chooses it for a PersonaPlex file.
 PP_SMALL = LMConfig(
     dim=48,
     text_card=301,
@@ -30,6 +31,7 @@ PP_SMALL = LMConfig(
     depformer_num_heads=2,
     depformer_num_layers=2,
     dep_q=16,
+    ring_rule="personaplex",
 )
 
 # PP_SMALL reading the demo tokenizer's whole vocabulary (546 pieces), as a server with the demo tokenizer needs: a

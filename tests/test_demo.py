@@ -9,9 +9,10 @@ from moshi.models.lm import LMModel as RefLMModel
 from safetensors.torch import load_file
 
 from duplexd.cli import main
-from duplexd.engine.models.config import DEMO, DEMO_MIMI, lm_config_from_dict
+from duplexd.engine.models.config import DEMO, DEMO_MIMI
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.weights.checkpoint import load_lm, load_mimi
+from duplexd.engine.weights.config_file import lm_config_from_dict
 from duplexd.engine.weights.demo import ensure_demo
 
 from .ref_models import reference_kwargs

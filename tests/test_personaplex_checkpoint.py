@@ -41,7 +41,7 @@ def _agent_weights_equal(model, ref) -> None:
 def test_config_properties():
     assert PP_SMALL.predicts_user_audio and PP_SMALL.agent_codebooks == 8 and PP_SMALL.num_user_codebooks == 8
     assert not MOSHI_7B.predicts_user_audio and MOSHI_7B.agent_codebooks == 8
-    assert PERSONAPLEX_7B == dataclasses.replace(MOSHI_7B, dep_q=16)
+    assert PERSONAPLEX_7B == dataclasses.replace(MOSHI_7B, dep_q=16, ring_rule="personaplex")
     with pytest.raises(ConfigError, match="even n_q"):
         LMConfig(n_q=15, dep_q=15, delays=(0,) * 16)
 

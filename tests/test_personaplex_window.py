@@ -134,8 +134,8 @@ def test_a_window_outside_the_ring_is_refused():
 
 
 def test_the_rule_is_part_of_the_config():
-    assert dataclasses.replace(PP_SMALL, ring_rule="personaplex").attention_window == PP_SMALL.context - 1
-    assert PP_SMALL.attention_window == PP_SMALL.context
+    assert PP_SMALL.ring_rule == "personaplex" and PP_SMALL.attention_window == PP_SMALL.context - 1
+    assert dataclasses.replace(PP_SMALL, ring_rule="moshi").attention_window == PP_SMALL.context
     assert "ring_rule" not in PP_SMALL.to_reference_json()  # the reference's LMModel takes no such key
     with pytest.raises(ConfigError, match="ring_rule 'fork' is not one of moshi, personaplex"):
         dataclasses.replace(PP_SMALL, ring_rule="fork")

@@ -1,7 +1,8 @@
-"""Model configurations: dataclasses, the released presets, and the reference's `config.json` format.
+"""Model configurations: dataclasses and the released presets.
 
 Field names follow the reference's LM kwargs (`moshi.models.loaders._lm_kwargs`) so a reference `config.json`
-maps onto `LMConfig` key for key; everything derived (head dims, gated hidden sizes, special ids) is a property.
+maps onto `LMConfig` key for key (`weights/config_file.py` reads one); everything derived (head dims, gated hidden
+sizes, special ids) is a property.
 """
 
 from __future__ import annotations
@@ -153,12 +154,13 @@ class LMConfig:
         out = dataclasses.asdict(self)
         out["delays"] = list(self.delays)
         del out["ring_rule"]  # duplexd's own: the reference knows one rule
-        out.update(_REFERENCE_FIXED)
+        out.update(REFERENCE_FIXED)
         return out
 
 
-# Reference LM kwargs duplexd implements with exactly these values; any other value is refused.
-_REFERENCE_FIXED: dict[str, Any] = {
+# Reference LM kwargs duplexd implements with exactly these values (written into every config it makes; reading one,
+# `weights.config_file`, refuses any other value).
+REFERENCE_FIXED: dict[str, Any] = {
     "causal": True,
     "layer_scale": None,
     "gating": "silu",
@@ -171,64 +173,6 @@ _REFERENCE_FIXED: dict[str, Any] = {
     "depformer_pos_emb": "none",
     "depformer_weights_per_step": True,
 }
-# Accepted with these values (the reference defaults); anything else changes the architecture.
-_REFERENCE_DEFAULTS: dict[str, Any] = {
-    "kv_repeat": 1,
-    "norm_emb": False,
-    "bias_proj": False,
-    "depformer_norm": None,
-    "depformer_weights_per_step_schedule": None,
-    "depformer_low_rank_embeddings": None,
-    "demux_second_text_stream": False,
-    "extra_heads_num_heads": 0,
-    "cross_attention": False,
-    "conditioners": None,
-    "fuser": None,
-    "lora": False,
-    "text_card_out": None,
-}
-# Keys with no effect on inference here: depformer_context is overridden to None by the reference itself;
-# the rest name files or generation defaults.
-_IGNORED = {
-    "depformer_context",
-    "extra_heads_dim",
-    "moshi_name",
-    "mimi_name",
-    "mimi_config_name",
-    "tokenizer_name",
-    "lora_name",
-    "model_type",
-    "lm_gen_config",
-    "tts_config",
-    "stt_config",
-    "model_id",
-    "lora_rank",
-    "lora_scaling",
-    "depformer_kv_repeat",
-}
-
-
-def lm_config_from_dict(raw: dict[str, Any]) -> LMConfig:
-    """Build an `LMConfig` from the reference's LM kwargs (a parsed `config.json`)."""
-    fields = {f.name for f in dataclasses.fields(LMConfig)} - {"ring_rule"}
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in fields:
-            kwargs[key] = value
-        elif key in _REFERENCE_FIXED or key in _REFERENCE_DEFAULTS:
-            allowed = _REFERENCE_FIXED.get(key, _REFERENCE_DEFAULTS.get(key))
-            if value != allowed and not (key == "text_card_out" and value == raw.get("text_card")):
-                raise ConfigError(f"config key {key!r}={value!r} is not supported (duplexd implements {allowed!r})")
-        elif key not in _IGNORED:
-            raise ConfigError(f"unknown LM config key {key!r}")
-    if "depformer_dim_feedforward" not in kwargs and "depformer_dim" in kwargs:
-        kwargs["depformer_dim_feedforward"] = int(kwargs.get("hidden_scale", 4.125) * kwargs["depformer_dim"])
-    try:
-        return LMConfig(**kwargs)
-    except TypeError as e:
-        raise ConfigError(str(e)) from None
-
-
 MOSHI_7B = LMConfig()
 # PersonaPlex 7B (`nvidia/personaplex-7b-v1`): Moshi 7B whose DepFormer also predicts the user's 8 codebooks.
 PERSONAPLEX_7B = dataclasses.replace(MOSHI_7B, dep_q=16, ring_rule="personaplex")

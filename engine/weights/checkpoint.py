@@ -23,9 +23,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from ..models.config import MIMI, MOSHI_7B, ConfigError, LMConfig, MimiConfig, lm_config_from_dict
+from ..models.config import MIMI, MOSHI_7B, ConfigError, LMConfig, MimiConfig
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel, reference_keys
+from .config_file import lm_config_from_dict
 from .hub import hub_file, hub_repo, resolve_file
 
 logger = logging.getLogger(__name__)
