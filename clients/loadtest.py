@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, split_frames
 
@@ -97,7 +98,7 @@ class _Session:
         self.trace = SessionTrace(index, config.frames if frames is None else frames)
         self.conn: Connection = open_connection(config.connect)
         self.samples = 0
-        self.pending = np.zeros(0, np.float32)
+        self.pending: npt.NDArray[np.float32] = np.zeros(0, np.float32)
         self.t0 = 0.0
         self.listen_until = float("inf")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import SessionClosed
 from ..mailbox import Mailbox
@@ -71,7 +72,7 @@ class Session:
         self.slot, self.params, self.max_frames = slot, params, max_frames
         self._host = host
         self._lock = host.lock
-        self._partial = np.zeros(0, dtype=np.float32)
+        self._partial: npt.NDArray[np.float32] = np.zeros(0, dtype=np.float32)
         self._inbox: deque[tuple[np.ndarray, float]] = deque()
         self._mailbox: Mailbox[SessionOutput] = Mailbox(self._lock, lambda: self.closed)
         self._outbox = self._mailbox.items

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import soxr
 import torch
 
@@ -115,7 +116,7 @@ class FilePlan:
 
 def to_16k(pcm: np.ndarray, rate: int) -> np.ndarray:
     """Mono float32 at 16 kHz (soxr, its default high quality); non-finite samples become silence."""
-    audio = np.asarray(pcm, dtype=np.float32).reshape(-1)
+    audio: npt.NDArray[np.float32] = np.asarray(pcm, dtype=np.float32).reshape(-1)
     if rate != VAD_RATE:
         audio = soxr.resample(audio, rate, VAD_RATE)
     audio = np.ascontiguousarray(audio, dtype=np.float32)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE
@@ -123,7 +124,7 @@ class TranscriptStream:
         self.slot, self.prompt = slot, prompt
         self._service = service
         self._lock = service.lock
-        self._partial = np.zeros(0, np.float32)
+        self._partial: npt.NDArray[np.float32] = np.zeros(0, np.float32)
         self._inbox: deque[np.ndarray] = deque()
         self._mailbox: Mailbox[TranscriptEvent] = Mailbox(self._lock, lambda: self.closed)
         self.closed = False

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ..errors import CheckpointError
@@ -225,7 +226,9 @@ class Transcriber:
         st = self.streams[slot]
         if st.finished:
             raise RuntimeError(f"slot {slot}: the utterance is finished; open a new stream")
-        chunk = np.asarray(pcm.cpu() if isinstance(pcm, torch.Tensor) else pcm, dtype=np.float32).reshape(-1)
+        chunk: npt.NDArray[np.float32] = np.asarray(
+            pcm.cpu() if isinstance(pcm, torch.Tensor) else pcm, dtype=np.float32
+        ).reshape(-1)
         room = MAX_SAMPLES - st.samples
         if chunk.size > room:
             if not st.truncated:

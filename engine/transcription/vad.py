@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import soxr
 import torch
 
@@ -232,7 +233,7 @@ class VadSegmenter:
         self.context = torch.zeros(max_slots, CONTEXT)
         self.deciders = [_Decider(self.config) for _ in range(max_slots)]
         self.resamplers: list[soxr.ResampleStream | None] = [None] * max_slots
-        self.pending = [np.zeros(0, np.float32) for _ in range(max_slots)]
+        self.pending: list[npt.NDArray[np.float32]] = [np.zeros(0, np.float32) for _ in range(max_slots)]
 
     def open(self, slot: int) -> None:
         """Start a session's timeline at sample 0 in `slot` (fresh model state, resampler and decisions)."""
