@@ -1,7 +1,11 @@
 """Sessions past the window: a PersonaPlex checkpoint follows NVIDIA's fork (a full ring attends `context - 1`
 keys), a Moshi checkpoint moshi 0.2.13 (all `context`). The rules are stated in plain Python (`ring_rules`); the
 paged KV cache is checked against them frame by frame and prefilled, batched with slots at other positions, and
-whole PersonaPlex sessions against the reference `moshi` LM with the fork's rule put in, past the window."""
+whole PersonaPlex sessions against the reference `moshi` LM with the fork's rule put in, past the window.
+
+Only the temporal transformer's rule is swapped in the oracle: the fork's DepFormer ring (dep_q = 16 entries, reset
+every frame) fills at its last step, the user's last codebook, which duplexd does not run; the fork's Mimi also
+carries the older cache (250 steps at 25 Hz), and duplexd's Mimi keeps moshi's rule."""
 
 from __future__ import annotations
 
