@@ -4,6 +4,7 @@ Grafana dashboard and Prometheus config naming metrics and targets that exist.""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -136,3 +137,14 @@ def test_grafana_dashboard_queries_served_metrics():
         assert needed in used
     provider = yaml.safe_load((DOCKER / "grafana" / "provisioning" / "dashboards" / "duplexd.yaml").read_text())
     assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_dockerfiles_import_names_that_exist():
+    """Python run at build time (`python -c "from duplexd... import X"`) names modules and names that exist."""
+    found = 0
+    for dockerfile in DOCKER.glob("Dockerfile*"):
+        for module, names in re.findall(r"from (duplexd[\w.]*) import ([\w, ]+)", dockerfile.read_text()):
+            for name in (n.strip() for n in names.split(",")):
+                assert hasattr(importlib.import_module(module), name), f"{dockerfile.name}: {module}.{name}"
+                found += 1
+    assert found, "no build-time import found: the check checks nothing"
