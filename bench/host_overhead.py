@@ -46,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 FRAME_SECONDS = 0.08
 CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 GROUPS = ("codec", "framing", "engine", "rest")
+THREADS = ("event-loop", "engine-loop", "codec", "other")  # OS thread names (`other`: every thread not named)
 
 # ---------------------------------------------------------------------------------------- CPU accounting
 
@@ -59,8 +60,9 @@ def parse_stat(text: str) -> tuple[str, float]:
 
 
 def thread_group(comm: str) -> str:
-    """The thread groups reported: the event loop, the engine loop (its OpenMP workers inherit the name), other."""
-    return comm if comm in ("event-loop", "engine-loop") else "other"
+    """The thread groups reported: the event loop, the engine loop (its OpenMP workers inherit the name), the codec
+    threads, other."""
+    return comm if comm in THREADS[:3] else "other"
 
 
 def cpu_snapshot(pid: int) -> dict[str, float]:
@@ -77,9 +79,9 @@ def cpu_snapshot(pid: int) -> dict[str, float]:
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Per group CPU seconds between two snapshots; `other` absorbs threads that came, went or were renamed, so
     the groups always add up to the process total."""
-    delta = {k: max(after.get(k, 0.0) - before.get(k, 0.0), 0.0) for k in ("event-loop", "engine-loop")}
+    delta = {k: max(after.get(k, 0.0) - before.get(k, 0.0), 0.0) for k in THREADS[:3]}
     delta["total"] = after["total"] - before["total"]
-    delta["other"] = max(delta["total"] - delta["event-loop"] - delta["engine-loop"], 0.0)
+    delta["other"] = max(delta["total"] - sum(delta[k] for k in THREADS[:3]), 0.0)
     return delta
 
 
@@ -93,7 +95,7 @@ def ms_per_session_s(cpu_seconds: float, session_seconds: float) -> float:
 RULES: tuple[tuple[str, re.Pattern, re.Pattern | None], ...] = tuple(
     (cat, re.compile(path), re.compile(func) if func else None)
     for cat, path, func in (
-        ("codec", r"(^|/)server/opus\.py$|(^|/)sphn/", None),
+        ("codec", r"(^|/)server/codec/|(^|/)server/codec_batches\.py$|(^|/)sphn/|(^|/)ctypes/", None),
         ("codec", r"(^|/)duplexd/wire\.py$|(^|/)server/realtime_events\.py$", r"^(pcm16|pcm16_bytes|pcm_from_pcm16)$"),
         (
             "framing",
@@ -130,6 +132,8 @@ def python_thread(name: str) -> str:
     """The OS thread name that goes with a Python thread name (when py-spy saw a thread /proc no longer lists)."""
     if name == "MainThread":
         return "event-loop"
+    if name.startswith("duplexd-codec"):
+        return "codec"
     return "engine-loop" if name.startswith("duplexd-engine") else name
 
 
@@ -158,8 +162,10 @@ def attribute(cpu: dict[str, float], samples: dict[str, dict[str, int]]) -> dict
     """CPU seconds per category: each thread group's measured CPU split in proportion to its samples (a group with
     no samples is `rest`; the engine group is all `engine`)."""
     out: dict[str, float] = defaultdict(float)
-    for group in ("event-loop", "engine-loop", "other"):
+    for group in THREADS:
         seconds = cpu.get(group, 0.0)
+        if not seconds:
+            continue
         counts = samples.get(group, {})
         total = sum(counts.values())
         if group == "engine-loop":
@@ -242,9 +248,7 @@ class Run:
             "cpu_ms_per_session_s": round(self.per_session_s(self.cpu["total"]), 3),
             "cpu_ms_per_session_s_wall": round(ms_per_session_s(self.cpu["total"], self.sessions * self.window_s), 3),
             "cores": round(self.cpu["total"] / self.window_s, 3),
-            "threads_ms_per_session_s": {
-                g: round(self.per_session_s(self.cpu.get(g, 0.0)), 3) for g in ("event-loop", "engine-loop", "other")
-            },
+            "threads_ms_per_session_s": {g: round(self.per_session_s(self.cpu.get(g, 0.0)), 3) for g in THREADS},
             "groups_ms_per_session_s": {g: round(self.per_session_s(v), 3) for g, v in groups(cats).items()},
             "categories_ms_per_session_s": {c: round(self.per_session_s(v), 3) for c, v in sorted(cats.items())},
             "profile_samples": sum(sum(v.values()) for v in self.samples.values()),
@@ -453,7 +457,8 @@ def run_one(
 
 def table(summaries: Iterable[dict]) -> str:
     head = (
-        "| protocol | sessions | CPU ms/session-s | (wall) | cores | event loop | engine thread | other threads "
+        "| protocol | sessions | CPU ms/session-s | (wall) | cores | event loop | engine thread | codec threads "
+        "| other threads "
         "| codec | framing | engine | rest | served | steps/s | batch | late (server) | send late p99 |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -462,7 +467,8 @@ def table(summaries: Iterable[dict]) -> str:
         lines.append(
             f"| {s['protocol']} | {s['sessions']} | {s['cpu_ms_per_session_s']:.2f} | "
             f"{s['cpu_ms_per_session_s_wall']:.2f} | {s['cores']:.2f} | {t['event-loop']:.2f} | "
-            f"{t['engine-loop']:.2f} | {t['other']:.2f} | {g.get('codec', 0):.2f} | {g.get('framing', 0):.2f} | "
+            f"{t['engine-loop']:.2f} | {t.get('codec', 0):.2f} | {t['other']:.2f} | {g.get('codec', 0):.2f} | "
+            f"{g.get('framing', 0):.2f} | "
             f"{g.get('engine', 0):.2f} | {g.get('rest', 0):.2f} | {s['served_frac']:.3f} | {s['steps_per_s']:.1f} | "
             f"{s['mean_batch']} | {s['server_late_frames']} ({100 * (s['server_late_frac'] or 0):.2f} %) | "
             f"{s['client_send_late_p99_ms']} |"
@@ -526,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in summaries:
         key = f"{s['protocol']}_{s['sessions']}"
         result[f"cpu_ms_per_session_s_{key}"] = s["cpu_ms_per_session_s"]
+        result[f"event_loop_ms_per_session_s_{key}"] = s["threads_ms_per_session_s"]["event-loop"]
         result[f"served_frac_{key}"] = s["served_frac"]
         result[f"server_late_frac_{key}"] = s["server_late_frac"]
     print(json.dumps(result))

@@ -6,19 +6,22 @@ real text ids mixed with padding (so detokenising is exercised), with the first 
 real model's acoustic delay makes it. Everything else (FastAPI/uvicorn, both protocols, the engine's loop thread,
 host copies, queues) is the real server, so the process's CPU is the host's overhead and nothing else.
 
-The OS names of the two threads that matter are set (`event-loop` for uvicorn's main thread, `engine-loop` for
-the engine's loop thread), so per-thread CPU can be read from `/proc/PID/task/*/stat` by name.
+The OS names of the threads that matter are set (`event-loop` for uvicorn's main thread, `engine-loop` for the
+engine's loop thread, `codec` for the Kyutai protocol's codec threads), so per-thread CPU can be read from
+`/proc/PID/task/*/stat` by name.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ logger = logging.getLogger("duplexd.bench.host_overhead")
 
 EVENT_LOOP_THREAD = "event-loop"
 ENGINE_THREAD = "engine-loop"
+CODEC_THREAD = "codec"
 TEXT_RATE = 0.35  # share of frames carrying a text piece (a talking model writes a few pieces per second)
 COUNTERS_ENV = "HOST_OVERHEAD_COUNTERS"  # file for the stand-in's step counters (int64 steps, frames in, out)
 VARIANTS = 16  # distinct output frames (speech and token tables) the stand-in rotates through
@@ -127,6 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     install(max(rows, 1) * 2, args.step_ms / 1000)  # warm-up may step a whole bucket, up to 2x the slots
     name_thread(EVENT_LOOP_THREAD)
     from duplexd.cli import main as duplexd_main
+    from duplexd.server import codec_batches
+
+    codec_batches.ThreadPoolExecutor = functools.partial(  # type: ignore[misc]
+        ThreadPoolExecutor, initializer=name_thread, initargs=(CODEC_THREAD,)
+    )
 
     return duplexd_main(serve)
 

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from . import kyutai, realtime, routes, transcriptions
+from .codec.streams import backend
+from .codec_batches import CodecBatches
 from .context import ServerContext
 from .drain import Drain
 from .metrics import Metrics
@@ -36,6 +38,13 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     """An app serving `runtime` (built, not started: the app starts and stops it)."""
     drain = Drain()
     metrics = Metrics(runtime, lambda: drain.draining)
+    codec = CodecBatches(settings.codec_threads)
+    logger.info(
+        "Kyutai protocol audio: %s; downlink profile %s; %d codec thread(s)",
+        backend(),
+        settings.opus_profile,
+        settings.codec_threads,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -47,10 +56,11 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
             if not warm.done():
                 await asyncio.shield(warm)  # engines cannot stop in the middle of warming up
             await asyncio.to_thread(runtime.stop)
+            await asyncio.to_thread(codec.shutdown)
             unsubscribe()
 
     app = FastAPI(title="duplexd", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.context = ServerContext(settings, runtime, metrics, drain)
+    app.state.context = ServerContext(settings, runtime, metrics, drain, codec)
     app.include_router(routes.router)
     app.include_router(kyutai.router)
     app.include_router(realtime.router)

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
+from .codec_batches import CodecBatches
 from .drain import Drain
 from .metrics import Metrics
 from .pump import Limits
@@ -21,6 +22,7 @@ class ServerContext:
     runtime: Runtime
     metrics: Metrics
     drain: Drain = field(default_factory=Drain)
+    codec: CodecBatches = field(default_factory=CodecBatches)
 
     @property
     def limits(self) -> Limits:

@@ -1,6 +1,7 @@
 """`WS /api/chat`: the Kyutai protocol, as the reference server and its web and Python clients speak it.
 
-Binary messages only: kind byte + payload. Audio is one continuous Ogg/Opus stream at 24 kHz per direction;
+Binary messages only: kind byte + payload. Audio is one continuous Ogg/Opus stream at 24 kHz per direction, decoded
+and encoded on the codec threads with every other session's (`codec_batches`); the downlink in `--opus-profile`;
 text is the model's raw piece per non-padding step. Sampling (repetition penalty and pad_mult included) comes
 from the Rust server's query parameters.
 Order on the wire: metadata (0x04 JSON), handshake (0x00) once admitted, then audio (0x01) and text (0x02).
@@ -30,8 +31,10 @@ from . import protocol
 from .admission import serve
 from .build_info import BUILD_INFO
 from .closing import Close, CloseCode
+from .codec.errors import AudioError
+from .codec.streams import OggOpusDecoder, OggOpusEncoder
+from .codec_batches import CodecBatches
 from .context import Context, ServerContext
-from .opus import AudioError, OpusDecoder, OpusEncoder
 from .persona import KYUTAI, Persona, PersonaRefused, Personas
 from .pump import Adapter, Pump
 from .query import BadQuery, max_frames_from_query, sampling_from_query, transcription_from_query
@@ -43,9 +46,12 @@ router = APIRouter()
 class KyutaiAdapter(Adapter):
     name = "kyutai"
 
-    def __init__(self, ws: WebSocket, sample_rate: int, personas: Personas) -> None:
+    def __init__(
+        self, ws: WebSocket, sample_rate: int, personas: Personas, codec: CodecBatches, opus_profile: str
+    ) -> None:
         super().__init__(ws)
-        self.decoder, self.encoder = OpusDecoder(sample_rate), OpusEncoder(sample_rate)
+        self.codec = codec
+        self.decoder, self.encoder = OggOpusDecoder(sample_rate), OggOpusEncoder(opus_profile, sample_rate)
         self.personas = personas
         self.persona: Persona | None = None  # set from the query (PersonaPlex's defaults where it has voices)
         self.transcribe_prompt: str | None = None  # set from the query: the client asked for its transcripts
@@ -91,12 +97,12 @@ class KyutaiAdapter(Adapter):
             logger.debug("ignoring a %s message from the client", msg.kind.name.lower())
             return None
         try:
-            return self.decoder.decode(msg.payload)
+            return await self.codec.decode(self.decoder, msg.payload)
         except AudioError as e:
             raise Close(CloseCode.INVALID_PAYLOAD, "invalid_audio", str(e)) from None
 
     async def send_output(self, out: SessionOutput) -> None:
-        ogg = self.encoder.encode(out.pcm)
+        ogg = await self.codec.encode(self.encoder, out.pcm)
         async with self.send_lock:
             if ogg:
                 await self.ws.send_bytes(protocol.audio(ogg))
@@ -148,7 +154,9 @@ def persona_metadata(persona: Persona | None) -> dict:
 
 @router.websocket("/api/chat")
 async def chat(ws: WebSocket, ctx: Context) -> None:
-    adapter = KyutaiAdapter(ws, ctx.runtime.info.sample_rate, ctx.runtime.personas)
+    adapter = KyutaiAdapter(
+        ws, ctx.runtime.info.sample_rate, ctx.runtime.personas, ctx.codec, ctx.settings.opus_profile
+    )
 
     async def greet(pump: Pump) -> None:
         unavailable = adapter.start_transcribing(pump)  # first: the metadata says whether it is on

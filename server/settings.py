@@ -110,6 +110,15 @@ class ServerSettings(BaseSettings):
     late_frame_seconds: float = opt(
         0.08, "input-to-output delay beyond which an output frame counts as late", _CAP, gt=0
     )
+    opus_profile: Literal["fast", "kyutai"] = opt(
+        "fast",
+        "Kyutai protocol downlink Opus: fast (CELT, complexity 0, 48 kb/s, one 80 ms packet a frame) or kyutai "
+        "(the reference server's sphn bytes: VOIP, complexity 9, two 40 ms pages a frame; ~13x the CPU)",
+        _CAP,
+    )
+    codec_threads: int = opt(
+        1, "threads that run every session's Opus decoding and encoding, one batch a direction per tick", _CAP, ge=1
+    )
     transcribe: str | None = opt(
         None,
         "transcribe what users say with this Gemma 4: a folder in Hugging Face layout, a hub repo id, or demo "
