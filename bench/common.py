@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 from safetensors.torch import save_file
 
+from duplexd.engine.kv.dtypes import KV_DTYPES
 from duplexd.engine.models.config import LMConfig
 
 T = TypeVar("T")
@@ -37,6 +38,10 @@ def through_checkpoint(state_dict: dict[str, torch.Tensor], load: Callable[[Path
         path = Path(tmp) / "weights.safetensors"
         save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path))
         return load(path)
+
+
+def add_kv_dtype(parser: argparse.ArgumentParser, default: str = "bf16") -> None:
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=default, help="KV cache format (bf16: the LM's dtype)")
 
 
 def cuda_missing(device: str, bench: str, hint: str) -> bool:
@@ -65,12 +70,15 @@ def side_by_side(run: Callable[[int], tuple[float, float]], result: dict, batche
         )
 
 
-def parse_args(doc: str) -> argparse.Namespace:
-    """The common flags (--frames, --warmup, --threads); sets torch's thread count."""
+def parse_args(doc: str, kv_dtype: bool = False) -> argparse.Namespace:
+    """The common flags (--frames, --warmup, --threads, and --kv-dtype for a bench that runs the LM's KV cache);
+    sets torch's thread count."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--frames", type=int, default=30, help="timed frames (after warm-up)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    if kv_dtype:
+        add_kv_dtype(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     return args

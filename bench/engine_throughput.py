@@ -1,6 +1,7 @@
 """Session-frames per second of the batched engine against the reference serving sessions one after another.
 
 Usage: python bench/engine_throughput.py [--frames 40] [--warmup 5] [--threads 2] [--sessions 1,2,4,8]
+           [--kv-dtype bf16|int8|fp8]
 Same random weights on both sides (LM d 512 x 6 layers, DepFormer d 256 x 2, demo Mimi), CPU fp32. One
 session-frame is Mimi encode → temporal step → DepFormer → Mimi decode of one 80 ms frame. duplexd: N sessions
 open at once in one `Engine`, each given all its frames, stepped as one batch by the engine thread. Reference:
@@ -28,7 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 
-from bench.common import through_checkpoint  # noqa: E402
+from bench.common import add_kv_dtype, through_checkpoint  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig  # noqa: E402
 from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
 from duplexd.engine.models.config import DEMO_MIMI, LMConfig
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="warm-up frames per side before timing")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sessions", default="1,2,4,8")
+    add_kv_dtype(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     counts = [int(n) for n in args.sessions.split(",")]
@@ -121,21 +123,26 @@ def main() -> None:
     lm = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, CONFIG))
     mimi = through_checkpoint(ref_mimi.state_dict(), lambda path: load_mimi(path, DEMO_MIMI))
     engine = Engine(
-        lm, mimi, config=EngineConfig(max_sessions=max(counts), threads=args.threads, max_pending_frames=args.frames)
+        lm,
+        mimi,
+        config=EngineConfig(
+            max_sessions=max(counts), threads=args.threads, max_pending_frames=args.frames, kv_dtype=args.kv_dtype
+        ),
     )
     engine.start()
     on_own_thread(reference_fps, ref_lm, ref_mimi, 1, args.warmup, threads=args.threads)
     duplexd_fps(engine, 1, args.warmup)
 
     print(
-        f"engine throughput, CPU fp32, {args.threads} threads, {args.frames} frames per session; LM "
+        f"engine throughput, CPU fp32, KV {args.kv_dtype}, {args.threads} threads, {args.frames} frames per "
+        "session; LM "
         f"{CONFIG.dim} x {CONFIG.num_layers}, DepFormer {CONFIG.depformer_dim} x {CONFIG.depformer_num_layers}, "
         f"demo Mimi"
     )
     # Sequential, so the rate does not depend on N.
     ref = on_own_thread(reference_fps, ref_lm, ref_mimi, 2, args.frames, threads=args.threads)
     print(f"{'sessions':>8} {'duplexd fps':>12} {'reference fps':>14} {'ratio':>7}")
-    result: dict[str, object] = {"bench": "engine_throughput"}
+    result: dict[str, object] = {"bench": "engine_throughput", "kv_dtype": args.kv_dtype}
     for n in counts:
         fps = duplexd_fps(engine, n, args.frames)
         print(f"{n:>8} {fps:>12.1f} {ref:>14.1f} {fps / ref:>7.2f}")

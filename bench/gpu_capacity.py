@@ -2,7 +2,7 @@
 
 Usage: python bench/gpu_capacity.py [--batches 1 8 32 48 64 72 80] [--steps 200] [--position 2999]
            [--granularity 4] [--budget-ms 80] [--session-frames N] [--kv-memory BYTES] [--max-sessions N]
-           [--preset moshi-7b] [--device cuda] [--out DIR]        (CUDA defaults shown)
+           [--preset moshi-7b] [--device cuda] [--kv-dtype bf16|int8|fp8] [--out DIR]   (CUDA defaults shown)
 
 The preset's LM with random weights drawn on the device (bf16 on CUDA, as `duplexd serve --random-weights`) and
 its Mimi (fp32) run in one `Engine` with CUDA graphs. The KV pool is sized by the engine's own rule (what
@@ -43,12 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import cuda_missing  # noqa: E402
-from duplexd.engine.dialogue.engine import Engine, EngineConfig, EngineStats, StepRecord, pool_pages  # noqa: E402
+from bench.common import add_kv_dtype, cuda_missing  # noqa: E402
+from duplexd.engine.dialogue.engine import (  # noqa: E402
+    Engine,
+    EngineConfig,
+    EngineStats,
+    StepRecord,
+    sessions_that_fit,
+)
 from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
 from duplexd.engine.errors import CapacityError, SessionClosed  # noqa: E402
-from duplexd.engine.kv.paged import window_pages  # noqa: E402
-from duplexd.engine.models.config import PRESETS, ConfigError
+from duplexd.engine.models.config import PRESETS
 from duplexd.engine.models.lm import LMModel  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel  # noqa: E402
 
@@ -280,24 +285,9 @@ def measure(engine: Engine, batch: int, steps: int, position: int, timeout: floa
 
 
 def pool_sessions(lm: LMModel, mimi: MimiModel, config: EngineConfig) -> int:
-    """The most slots (<= config.max_sessions) whose full-length sessions all fit the KV pool an `Engine` with
-    that many slots makes, by the engine's own sizing rule (each slot also costs Mimi streams, so fewer slots
-    leave more pages: a bisection)."""
-    per_session = window_pages(lm.cfg.context, config.page_size, config.max_session_frames)
-
-    def fits(slots: int) -> bool:
-        try:
-            return pool_pages(lm, mimi, dataclasses.replace(config, max_sessions=slots), per_session) >= (
-                slots * per_session
-            )
-        except ConfigError:
-            return False
-
-    low, high = 0, config.max_sessions
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low
+    """The most slots (<= config.max_sessions) whose full-length sessions all fit the KV pool: the engine's own rule
+    (`sessions_that_fit`, which `duplexd capacity` reports too)."""
+    return sessions_that_fit(lm, mimi, config)
 
 
 def buckets_for(grid: Sequence[int], limit: int, granularity: int) -> tuple[int, ...]:
@@ -397,6 +387,7 @@ def last_line(report: dict) -> str:
             "bench",
             "device",
             "preset",
+            "kv_dtype",
             "status",
             "realtime_sessions",
             "kv_sessions",
@@ -439,6 +430,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any one output")
     parser.add_argument("--preset", default="moshi-7b", choices=sorted(PRESETS))
     parser.add_argument("--device", default="cuda")
+    add_kv_dtype(parser)
     parser.add_argument("--out", type=Path, help="write gpu_capacity.json and gpu_capacity.md here")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -471,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         max_pending_frames=frames,
         max_output_frames=frames,
         device=args.device,
+        kv_dtype=args.kv_dtype,
     )
     fit = pool_sessions(lm, mimi, base)
     buckets = buckets_for(grid, fit, args.granularity) if cuda else None
@@ -493,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": name,
         "preset": args.preset,
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_dtype": args.kv_dtype,
         "torch": torch.__version__,
         "position": args.position,
         "steps": args.steps,
@@ -503,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_pages": engine.kv.num_pages,
         "session_frames": args.session_frames,
     }
-    title = f"{args.preset} on {name}, {meta['date']}: step time (ms) at position {args.position}"
+    title = f"{args.preset} on {name}, KV {args.kv_dtype}, {meta['date']}: step time (ms) at position {args.position}"
     done: list[BatchResult] = []
 
     def run(batch: int) -> BatchResult:

@@ -11,21 +11,24 @@
 #   4. `duplexd serve --random-weights moshi-7b` with --max-sessions at the capacity found, and
 #      `duplexd loadtest --protocol realtime` with that many sessions for 45 s against it (60 s before stage 3
 #      took its time from it);
-#   5. summary.md with every table; the short summary is printed last.
+#   5. the 8-bit KV cache (bench/kv_dtype.py: sessions that fit at bf16 and int8, the Triton store against the
+#      torch reference for int8 and fp8, teacher-forced text-logit agreement of int8 against bf16 KV over 3100
+#      frames, p50/p99 step at 1, 64 and 128 sessions in full windows for each), in what is left of the budget;
+#   6. summary.md with every table; the short summary is printed last.
 # Everything goes into one folder: $OUT if set, else bench/out/gpu-<date>. Each stage runs under its own timeout,
-# and all of them under SUITE_BUDGET seconds (default 460), so one stage hanging cannot eat the rest. The exit
+# and all of them under SUITE_BUDGET seconds (default 560), so one stage hanging cannot eat the rest. The exit
 # status is that of the first stage that failed (0 when all passed).
 #
 # GPU_SUITE_DRY=1 runs the same stages on the CPU with the demo preset and tiny durations (a check of this script).
 # Other knobs: PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3), WHEELS (default .whl),
 # SITE (default /tmp/duplexd-site), DEVICE, LOAD_SECONDS, CAPACITY_ARGS (replaces the sweep's arguments),
-# PREFILL_ARGS (replaces the prompt prefill bench's arguments).
+# PREFILL_ARGS (replaces the prompt prefill bench's arguments), KV_ARGS (replaces the 8-bit KV bench's arguments).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 STARTED=$(date +%s)
-BUDGET=${SUITE_BUDGET:-460}
+BUDGET=${SUITE_BUDGET:-560}
 DRY=${GPU_SUITE_DRY:-0}
 if [ -z "${PYTHON:-}" ]; then
   PYTHON=python3
@@ -43,7 +46,8 @@ if [ "$DRY" = 1 ]; then
   PRESET=demo DEVICE=${DEVICE:-cpu} LOAD_SECONDS=${LOAD_SECONDS:-5}
   DEFAULT_CAPACITY="--preset demo --device $DEVICE --batches 1 2 4 --steps 20 --max-sessions 4 --granularity 1 --budget-ms 1000"
   DEFAULT_PREFILL="--preset demo --device $DEVICE --quick --threads 1 --no-reference"
-  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_PREFILL=60 T_READY=60
+  DEFAULT_KV="--preset demo --device $DEVICE --frames 200 --rows 2 --batches 1 2 --steps 5"
+  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_PREFILL=60 T_READY=60 T_KV=60
 else
   PRESET=moshi-7b DEVICE=${DEVICE:-cuda:0} LOAD_SECONDS=${LOAD_SECONDS:-45}
   DEFAULT_CAPACITY="--preset moshi-7b --device $DEVICE --batches 1 8 32 48 64 72 80 --steps 200 --granularity 4"
@@ -51,10 +55,13 @@ else
   # stage cut short still reports batch 1).
   DEFAULT_PREFILL="--preset personaplex-7b --device $DEVICE --dtype bfloat16 --repeats 3 --live 8 --live-repeats 1
     --baseline-s 2"
-  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120
+  DEFAULT_KV="--preset moshi-7b --device $DEVICE --kv-dtype int8 --frames 3100 --rows 4 --batches 1 64 128
+    --steps 60"
+  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=110
 fi
 CAPACITY_ARGS=${CAPACITY_ARGS:-$DEFAULT_CAPACITY}
 PREFILL_ARGS=${PREFILL_ARGS:-$DEFAULT_PREFILL}
+KV_ARGS=${KV_ARGS:-$DEFAULT_KV}
 FIRST_FAILURE=0
 
 say() { echo "[gpu_suite $(($(date +%s) - STARTED))s] $*"; }
@@ -132,7 +139,7 @@ serve_and_load() {
   local n=$1 port server rc ready
   port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   # shellcheck disable=SC2086
-  ready=$(allow "$T_READY" $((LOAD_SECONDS + 30)))
+  ready=$(allow "$T_READY" $((LOAD_SECONDS + 30 + T_KV)))
   timeout -k 10 "$((ready + LOAD_SECONDS + 90))" "$PYTHON" -m duplexd serve --random-weights "$PRESET" \
     --device "$DEVICE" --max-sessions "$n" --port "$port" --static none --idle-timeout 30 \
     > "$DIR/serve.log" 2>&1 &
@@ -162,7 +169,7 @@ EOF
     return 1
   fi
   say "serve: ready; loadtest: $n sessions, realtime, ${LOAD_SECONDS}s"
-  stage loadtest "$(allow $((LOAD_SECONDS + 60)) 5)" "$PYTHON" -m duplexd loadtest \
+  stage loadtest "$(allow $((LOAD_SECONDS + 60)) $((5 + T_KV)))" "$PYTHON" -m duplexd loadtest \
     --url "ws://127.0.0.1:$port" --protocol realtime --sessions "$n" --duration "$LOAD_SECONDS" --quiet \
     --json "$DIR/loadtest.json" --plot "$DIR/loadtest.png" \
     --max-late-frac 0.01 --max-ttfa-ms 300 --max-refused 0 --max-errors 0
@@ -181,19 +188,19 @@ say "out: $DIR; python: $PYTHON; dry run: $DRY; budget ${BUDGET}s"
 
 t0=$(date +%s)
 say "install: start"
-install "$(allow "$T_INSTALL" 380)" > "$DIR/install.log" 2>&1
+install "$(allow "$T_INSTALL" $((380 + T_KV)))" > "$DIR/install.log" 2>&1
 record install $? "$(($(date +%s) - t0))"
 
-stage gpu_kernels "$(allow "$T_KERNELS" 300)" "$PYTHON" bench/gpu_kernels.py
+stage gpu_kernels "$(allow "$T_KERNELS" $((300 + T_KV)))" "$PYTHON" bench/gpu_kernels.py
 tail -n 60 "$DIR/gpu_kernels.log" | grep -v '^{' | tail -n 45
 
 # shellcheck disable=SC2086
-stage gpu_capacity "$(allow "$T_CAPACITY" $((LOAD_SECONDS + 90 + T_PREFILL)))" \
+stage gpu_capacity "$(allow "$T_CAPACITY" $((LOAD_SECONDS + 90 + T_PREFILL + T_KV)))" \
   "$PYTHON" bench/gpu_capacity.py $CAPACITY_ARGS --out "$DIR"
 grep -E '^(batch |capacity|FAILED|note|models)' "$DIR/gpu_capacity.log" | tail -n 25
 
 # shellcheck disable=SC2086
-stage prompt_prefill "$(allow "$T_PREFILL" $((LOAD_SECONDS + 90)))" "$PYTHON" bench/prompt_prefill.py $PREFILL_ARGS
+stage prompt_prefill "$(allow "$T_PREFILL" $((LOAD_SECONDS + 90 + T_KV)))" "$PYTHON" bench/prompt_prefill.py $PREFILL_ARGS
 grep -E '^(\||persona|batch 1|[0-9]+ live|no CUDA)' "$DIR/prompt_prefill.log" | tail -n 12
 
 read -r SESSIONS BASIS <<< "$(capacity)"
@@ -207,6 +214,10 @@ else
   echo "no capacity to serve at (see gpu_capacity.log)" > "$DIR/serve_basis.txt"
   record serve 3 0
 fi
+
+# shellcheck disable=SC2086
+stage kv_dtype "$(allow "$T_KV" 5)" "$PYTHON" bench/kv_dtype.py $KV_ARGS --out "$DIR"
+grep -E '^(capacity|write|agreement|steps|no CUDA)' "$DIR/kv_dtype.log" | tail -n 12
 
 "$PYTHON" bench/gpu_summary.py "$DIR" > "$DIR/summary.log" 2>&1 || record summary $? 0
 say "done in $(($(date +%s) - STARTED)) s; everything is in $DIR"

@@ -3,9 +3,9 @@
 Usage: python bench/gpu_summary.py DIR
 
 Reads what the stages left in DIR (stages.tsv, gpu_kernels.log's JSON line, gpu_capacity.json/.md,
-prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt) and tolerates any of them missing: a stage that
-failed or timed out says so instead of its table (the prompt prefill bench prints a partial line after batch 1, so
-a run cut short still shows that).
+prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt, kv_dtype.json) and tolerates any of them
+missing: a stage that failed or timed out says so instead of its table (the prompt prefill bench prints a partial
+line after batch 1, so a run cut short still shows that).
 Standard library only, so it runs whatever else went wrong.
 """
 
@@ -151,6 +151,51 @@ def prefill_table(data: dict | None) -> tuple[str, str]:
     return "\n".join(lines), verdict
 
 
+def kv_table(data: dict | None) -> tuple[str, str]:
+    """(markdown, one-line verdict) from bench/kv_dtype.py's kv_dtype.json: capacity, the store check, logit
+    agreement and step times, 8-bit KV against the weights' dtype."""
+    if data is None:
+        return "no result (see kv_dtype.log)", "kv dtype: no result"
+    if data.get("skipped"):
+        return f"skipped: {data['skipped']}", f"kv dtype: skipped ({data['skipped']})"
+    kv = data.get("kv_dtype")
+    lines = [f"{data.get('preset')}, {data.get('dtype')} weights on {data.get('device')}, KV bf16 against {kv}", ""]
+    words: list[str] = []
+    cap = data.get("capacity") or {}
+    if cap:
+        lines += ["| KV | full windows that fit | GiB per window |", "|---|---:|---:|"]
+        lines += [f"| {name} | {c['sessions']} | {c['kv_window_gib']} |" for name, c in cap.items()]
+        words.append(
+            f"{_cell(cap.get(kv, {}), 'sessions')} sessions fit (bf16 {_cell(cap.get('bf16', {}), 'sessions')})"
+        )
+    for name, w in (data.get("write") or {}).items():
+        lines.append(
+            f"\nstore {name}: {w['codes_differing']} of {w['codes']} codes, {w['scales_differing']} scales differ"
+        )
+        words.append(f"store {name} {'exact' if not w['codes_differing'] + w['scales_differing'] else 'DIFFERS'}")
+    agree = data.get("agreement")
+    if agree:
+        lines.append(
+            f"\nteacher-forced over {agree['frames']} frames x {agree['rows']} rows (q, k x{data.get('sharpen')}): "
+            f"KL mean {agree['kl_mean']:.2e}, p99 {agree['kl_p99']:.2e}; top-1 {100 * agree['top1_agreement']:.2f} %; "
+            f"logits rel. err. mean {agree['logit_rel_err_mean']:.2e}; attention rel. err. mean "
+            f"{agree['attention_rel_err_mean']:.2e}"
+        )
+        words.append(f"KL {agree['kl_mean']:.1e}, top-1 {100 * agree['top1_agreement']:.2f} %")
+    steps = data.get("steps") or {}
+    if steps:
+        batches = sorted({int(b) for s in steps.values() for b in s if b != "fit"})
+        lines += ["", "| KV | " + " | ".join(f"B={b} p50 / p99 ms" for b in batches) + " |"]
+        lines.append("|---|" + "---:|" * len(batches))
+        for name, s in steps.items():
+            cells = [
+                f"{s[str(b)]['p50_ms']} / {s[str(b)]['p99_ms']}" if "p50_ms" in s.get(str(b), {}) else "does not fit"
+                for b in batches
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), f"kv dtype {kv}: " + (", ".join(words) or "nothing measured")
+
+
 def loadtest_table(data: dict | None) -> tuple[str, str]:
     if data is None:
         return "no result (see serve.log, loadtest.log)", "loadtest: no result"
@@ -217,6 +262,7 @@ def main(argv: list[str]) -> int:
     capacity_md = (run / "gpu_capacity.md").read_text() if (run / "gpu_capacity.md").is_file() else "no result"
     prefill, prefill_line = prefill_table(_json_line(run / "prompt_prefill.log"))
     load, load_line = loadtest_table(_load(run / "loadtest.json"))
+    kv, kv_line = kv_table(_load(run / "kv_dtype.json"))
     basis = (run / "serve_basis.txt").read_text().strip() if (run / "serve_basis.txt").is_file() else ""
     machine = (run / "machine.txt").read_text().strip() if (run / "machine.txt").is_file() else ""
     stage_table = "\n".join(
@@ -241,6 +287,8 @@ def main(argv: list[str]) -> int:
                 prefill,
                 f"## Load test against `duplexd serve --random-weights` ({basis or 'not run'})",
                 load,
+                "## 8-bit KV cache (bench/kv_dtype.py)",
+                kv,
             ]
         )
         + "\n"
@@ -248,7 +296,7 @@ def main(argv: list[str]) -> int:
     (run / "summary.md").write_text(doc)
     print(f"summary: {run / 'summary.md'}")
     print(stage_table)
-    for line in (kernels_line, capacity_verdict(capacity), prefill_line, load_line):
+    for line in (kernels_line, capacity_verdict(capacity), prefill_line, load_line, kv_line):
         print(line)
     return 0
 

@@ -1,6 +1,6 @@
 """Per-frame LM step time, duplexd against the reference `moshi` LMGen, same random weights, CPU fp32.
 
-Usage: python bench/lm_step.py [--frames 30] [--warmup 5] [--threads 2]
+Usage: python bench/lm_step.py [--frames 30] [--warmup 5] [--threads 2] [--kv-dtype bf16|int8|fp8]
 Prints a table and, as its last line, one JSON object with the figures and ratios (duplexd / reference).
 """
 
@@ -29,7 +29,7 @@ PARAMS = SamplingParams(text_temperature=0.7, text_topk=25, audio_temperature=0.
 
 
 @torch.no_grad()
-def run(batch: int, ref_lm, model, frames: int, warmup: int) -> tuple[float, float]:
+def run(batch: int, ref_lm, model, frames: int, warmup: int, kv_dtype: str) -> tuple[float, float]:
     codes = torch.randint(
         0,
         CONFIG.card,
@@ -45,7 +45,7 @@ def run(batch: int, ref_lm, model, frames: int, warmup: int) -> tuple[float, flo
     )
     with ref.streaming(batch):
         ref_ms = median_ms(lambda c: ref.step(c[:, :, None]), codes, warmup)
-    gen = LMGen(model, num_slots=batch)
+    gen = LMGen(model, num_slots=batch, kv_dtype=kv_dtype)
     for slot in range(batch):
         gen.reset(slot, PARAMS)
     slots = torch.arange(batch)
@@ -54,18 +54,21 @@ def run(batch: int, ref_lm, model, frames: int, warmup: int) -> tuple[float, flo
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, kv_dtype=True)
 
     ref_lm = reference_lm(CONFIG, seed=0)
     model = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, CONFIG))
 
-    result: dict[str, object] = {"bench": "lm_step"}
-    print(f"LM step, CPU fp32, {args.threads} threads, median of {args.frames} frames after {args.warmup} warm-up")
+    result: dict[str, object] = {"bench": "lm_step", "kv_dtype": args.kv_dtype}
+    print(
+        f"LM step, CPU fp32, KV {args.kv_dtype}, {args.threads} threads, median of {args.frames} frames after "
+        f"{args.warmup} warm-up"
+    )
     print(
         f"config: dim {CONFIG.dim} x {CONFIG.num_layers} layers, depformer {CONFIG.depformer_dim} x "
         f"{CONFIG.depformer_num_layers}, text_card {CONFIG.text_card}, context {CONFIG.context}"
     )
-    side_by_side(lambda batch: run(batch, ref_lm, model, args.frames, args.warmup), result)
+    side_by_side(lambda batch: run(batch, ref_lm, model, args.frames, args.warmup, args.kv_dtype), result)
     print(json.dumps(result))
 
 

@@ -10,7 +10,7 @@ import typing
 
 import torch
 
-from duplexd import infer, transcribe
+from duplexd import capacity, infer, transcribe
 from duplexd.clients import chat
 from duplexd.clients import loadtest_cli as loadtest
 from duplexd.engine.devices import check_device
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     infer.add_parser(sub)
+    capacity.add_parser(sub)
     transcribe.add_parser(sub)
     serve.add_parser(sub)
     chat.add_parser(sub)

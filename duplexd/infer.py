@@ -14,10 +14,11 @@ import torch
 
 from duplexd.clients.audio import InputError as InputError  # the CLI reports it
 from duplexd.clients.audio import read_audio
-from duplexd.engine.devices import check_device
+from duplexd.engine.devices import check_device, check_kv_dtype
 from duplexd.engine.dialogue.pipeline import Pipeline
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import InputRefused
+from duplexd.engine.kv.dtypes import KV_DTYPES
 from duplexd.engine.models.config import MIMI_PRESETS, ConfigError
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
@@ -78,6 +79,7 @@ def persona_prompt(
 def prepare(args: argparse.Namespace) -> tuple[str, ModelFiles, SamplingParams]:
     """Every check that needs no model: the device, the input and output paths, sampling, the model files."""
     device = check_device(args.device)
+    check_kv_dtype(args.kv_dtype, device)
     check_paths(args)
     check_prompt_options(args)
     try:
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
     tokenizer = TextTokenizer(resolve_file(files.tokenizer, TOKENIZER_NAME))
     prompt = persona_prompt(args, lm, mimi, tokenizer)
-    pipeline = Pipeline(lm, mimi, num_slots=1)
+    pipeline = Pipeline(lm, mimi, num_slots=1, kv_dtype=args.kv_dtype)
     pipeline.reset(0, params)
     if prompt is not None:  # prefilled in one forward, no outputs: the JSONL and OUT start at the first live frame
         pipeline.prompt(0, prompt, chunk=prompt.forwards)
@@ -150,6 +152,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mimi-preset", choices=sorted(MIMI_PRESETS), default="mimi", help="Mimi architecture")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="LM weight dtype")
+    p.add_argument(
+        "--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache format (bf16: the weights' dtype), int8, fp8"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temp", type=float, default=0.8, help="audio temperature (0 = greedy)")
     p.add_argument("--temp-text", type=float, default=0.7, help="text temperature (0 = greedy)")

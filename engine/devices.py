@@ -57,3 +57,27 @@ def check_devices(names: list[str], option: str = "device") -> list[str]:
         if device in checked[:i]:
             raise DeviceError(f"{names[i]}: given twice; one engine per device", option)
     return checked
+
+
+FP8_CAPABILITY = (8, 9)  # e4m3 conversions in hardware, and Triton's fp8e4nv: Ada, Hopper and newer
+
+
+def check_kv_dtype(kv_dtype: str, device: str, option: str = "kv_dtype") -> None:
+    """An fp8 KV cache runs on the CPU (torch) and on CUDA devices of compute capability 8.9 and up; elsewhere a
+    `DeviceError` naming the device and the way out (int8 runs everywhere)."""
+    if kv_dtype != "fp8":
+        return
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return
+    if kind != "cuda":
+        raise DeviceError(
+            f"fp8 needs the CPU or a CUDA GPU of compute capability 8.9 or newer, not {device}; use int8", option
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < FP8_CAPABILITY:
+        raise DeviceError(
+            f"fp8 needs compute capability 8.9 or newer; {device} ({torch.cuda.get_device_name(device)}) is "
+            f"{major}.{minor}: use int8",
+            option,
+        )

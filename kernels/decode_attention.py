@@ -8,7 +8,10 @@ with a column for every page of the history simply never wraps). Row b holds `le
 key included) and attends to the last `window` of them, as the reference's ring KV cache does.
 
 Three implementations with one signature: `decode_attention_reference` (per-position gather, the oracle),
-`decode_attention_torch` (whole-page gather + fused SDPA, the CPU path) and the Triton kernel (CUDA).
+`decode_attention_torch` (whole-page gather + fused SDPA, the CPU path) and the Triton kernel (CUDA). Pages may
+hold 8-bit codes (int8, fp8 e4m3fn) with an fp32 scale per (key, head) in parallel scale pools
+(`kernels.kv_quant`): the kernel loads the codes as fp32 and multiplies the scores by the key scales and the
+probabilities by the value scales, one multiply per key; the torch paths dequantize what they gather.
 
 The key range of a row is cut into splits of `split_len` keys, one program per (row, head, split); each writes
 its normalised partial output and log-sum-exp, and a second kernel combines the splits. A row with 3000 cached
@@ -46,10 +49,13 @@ def decode_attention_reference(
     lengths: torch.Tensor,
     window: int,
     scale: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, H, D] over each row's last `min(lengths[b], window)` keys; rows without keys give 0.
 
-    Math in `q`'s dtype promoted to at least fp32 (pass fp64 tensors for an fp64 reference).
+    Math in `q`'s dtype promoted to at least fp32 (pass fp64 tensors for an fp64 reference); an 8-bit pool's
+    codes are dequantized with `k_scales`, `v_scales` [num_pages, page_size, H] first.
     """
     batch, _, head_dim = q.shape
     page_size, max_pages = k_pages.shape[1], block_table.shape[1]
@@ -61,6 +67,9 @@ def decode_attention_reference(
     pages = block_table.long().gather(1, (pos // page_size) % max_pages)
     keys, values = k_pages[pages, pos % page_size], v_pages[pages, pos % page_size]  # [B, span, H, D]
     ct = torch.promote_types(q.dtype, torch.float32)
+    if k_scales is not None and v_scales is not None:
+        keys = keys.to(ct) * k_scales[pages, pos % page_size].to(ct)[..., None]
+        values = values.to(ct) * v_scales[pages, pos % page_size].to(ct)[..., None]
     scores = torch.einsum("bhd,bshd->bhs", q.to(ct), keys.to(ct)) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
@@ -82,6 +91,22 @@ def _gather_pages(pages: torch.Tensor, index: torch.Tensor, name: str) -> torch.
     return torch.index_select(pages, 0, index, out=buf[:need].view(index.numel(), *pages.shape[1:]))
 
 
+def _gather_dequantized(
+    pages: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype, name: str
+) -> torch.Tensor:
+    """`_gather_pages`, and for an 8-bit pool its codes times their scales, in `dtype`, in a buffer of its own."""
+    codes = _gather_pages(pages, index, name)
+    if scales is None:
+        return codes
+    bufs = _workspace.__dict__.setdefault("bufs", {})
+    key = (name + "-dequantized", dtype, pages.device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < codes.numel():
+        buf = bufs[key] = torch.empty(codes.numel(), dtype=dtype, device=pages.device)
+    out = buf[: codes.numel()].view(codes.shape).copy_(codes)
+    return out.mul_(_gather_pages(scales, index, name + "-scales")[..., None])
+
+
 def decode_attention_torch(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -90,10 +115,13 @@ def decode_attention_torch(
     lengths: torch.Tensor,
     window: int,
     scale: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` for CPU: gather each row's pages whole (the table columns any row has reached), mask
     every ring entry by the position it holds, and run one fused SDPA. Several times faster than the reference
-    at 8 rows over 3000 keys (docs/BENCHMARKS.md).
+    at 8 rows over 3000 keys (docs/BENCHMARKS.md). An 8-bit pool's gathered pages are dequantized first (the
+    fused SDPA takes no per-key scales).
     """
     batch, heads, head_dim = q.shape
     page_size, max_pages = k_pages.shape[1], block_table.shape[1]
@@ -103,8 +131,10 @@ def decode_attention_torch(
     columns = min(max_pages, max(1, -(-int(lengths.max()) // page_size)))
     index = block_table[:, :columns].reshape(-1).long()
     span = columns * page_size
-    keys = _gather_pages(k_pages, index, "k").view(batch, span, heads, head_dim).transpose(1, 2)  # [B, H, span, D]
-    values = _gather_pages(v_pages, index, "v").view(batch, span, heads, head_dim).transpose(1, 2)
+    keys = _gather_dequantized(k_pages, k_scales, index, q.dtype, "k")
+    values = _gather_dequantized(v_pages, v_scales, index, q.dtype, "v")
+    keys = keys.view(batch, span, heads, head_dim).transpose(1, 2)  # [B, H, span, D]
+    values = values.view(batch, span, heads, head_dim).transpose(1, 2)
     # Ring entry r holds the newest position p < length with p = r (mod ring size), if p >= 0.
     ring, last = max_pages * page_size, lengths.long()[:, None] - 1
     held = last - (last - torch.arange(span, device=q.device)) % ring
@@ -120,6 +150,8 @@ def _split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     bt_ptr,
     len_ptr,
     po_ptr,
@@ -132,6 +164,8 @@ def _split_kernel(
     sv_p,
     sv_s,
     sv_h,
+    ss_p,
+    ss_s,
     sbt_b,
     window,
     page_size,
@@ -139,10 +173,12 @@ def _split_kernel(
     split_len,
     qk_scale,
     head_dim,
+    SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program (row, head, split): online softmax over the split's keys, in the log2 domain."""
+    """Program (row, head, split): online softmax over the split's keys, in the log2 domain. SCALED: 8-bit codes
+    with a scale per (key, head): k's on the scores, v's on the probabilities (fp32 throughout)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,7 +203,10 @@ def _split_kernel(
         k = tl.load(
             k_ptr + page[:, None] * sk_p + slot[:, None] * sk_s + h * sk_h + dims[None, :], mask=tile_mask, other=0.0
         ).to(tl.float32)
-        s = tl.where(kmask, tl.sum(k * q[None, :], axis=1), -float("inf"))
+        s = tl.sum(k * q[None, :], axis=1)
+        if SCALED:
+            s = s * tl.load(ks_ptr + page * ss_p + slot * ss_s + h, mask=kmask, other=0.0)
+        s = tl.where(kmask, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
@@ -175,7 +214,10 @@ def _split_kernel(
             v_ptr + page[:, None] * sv_p + slot[:, None] * sv_s + h * sv_h + dims[None, :], mask=tile_mask, other=0.0
         ).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        pv = p
+        if SCALED:
+            pv = p * tl.load(vs_ptr + page * ss_p + slot * ss_s + h, mask=kmask, other=0.0)
+        acc = acc * alpha + tl.sum(pv[:, None] * v, axis=0)
         m_i = m_new
 
     out = (b * n_heads + h) * n_splits + split
@@ -241,6 +283,8 @@ def decode_attention_triton(
     window: int,
     scale: float | None = None,
     split_len: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton `decode_attention`; `split_len` keys per program (default: sized to fill the GPU)."""
     batch, heads, head_dim = q.shape
@@ -251,6 +295,10 @@ def decode_attention_triton(
         raise ValueError(f"block_table {list(block_table.shape)} and lengths {list(lengths.shape)} for {batch} rows")
     if q.stride(-1) != 1 or k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
         raise ValueError("q, k_pages and v_pages need a contiguous last dim")
+    scaled = k_scales is not None and v_scales is not None
+    ks, vs = (k_scales, v_scales) if k_scales is not None and v_scales is not None else (k_pages, v_pages)
+    if scaled and (ks.shape != k_pages.shape[:3] or vs.stride() != ks.stride() or ks.stride(-1) != 1):
+        raise ValueError(f"scale pools {list(ks.shape)}, {list(vs.shape)} (contiguous by head) for the pool's pages")
     max_pages = block_table.shape[1]
     window = _window(window, page_size, max_pages)
     span = max(window, 1)
@@ -267,6 +315,8 @@ def decode_attention_triton(
         q,
         k_pages,
         v_pages,
+        ks,  # the pages themselves, unread, when not SCALED
+        vs,
         block_table,
         lengths,
         partial,
@@ -279,6 +329,8 @@ def decode_attention_triton(
         v_pages.stride(0),
         v_pages.stride(1),
         v_pages.stride(2),
+        ks.stride(0) if scaled else 0,
+        ks.stride(1) if scaled else 0,
         block_table.stride(0),
         window,
         page_size,
@@ -286,6 +338,7 @@ def decode_attention_triton(
         split_len,
         scale * math.log2(math.e),
         head_dim,
+        SCALED=scaled,
         BLOCK_N=BLOCK_N,
         BLOCK_D=block_d,
     )
@@ -311,8 +364,13 @@ def decode_attention(
     lengths: torch.Tensor,
     window: int,
     scale: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged single-query attention, [B, H, D] out; Triton on CUDA, `decode_attention_torch` elsewhere."""
+    """Paged single-query attention, [B, H, D] out; Triton on CUDA, `decode_attention_torch` elsewhere. An 8-bit
+    pool (`kernels.kv_quant`) passes its scale pools [num_pages, page_size, H] as `k_scales`, `v_scales`."""
     if use_triton(q):
-        return decode_attention_triton(q, k_pages, v_pages, block_table, lengths, window, scale)
-    return decode_attention_torch(q, k_pages, v_pages, block_table, lengths, window, scale)
+        return decode_attention_triton(
+            q, k_pages, v_pages, block_table, lengths, window, scale, k_scales=k_scales, v_scales=v_scales
+        )
+    return decode_attention_torch(q, k_pages, v_pages, block_table, lengths, window, scale, k_scales, v_scales)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import dequantize
+
 
 def causal_paged_attention_torch(
     q: torch.Tensor,
@@ -21,9 +23,12 @@ def causal_paged_attention_torch(
     first: int,
     window: int,
     scale: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [k, H, D] for positions first..first+k-1 of the slot whose block-table row is `table` [max_pages]
-    (its pages a ring, as in `decode_attention`); out [k, H, D]."""
+    (its pages a ring, as in `decode_attention`); out [k, H, D]. An 8-bit pool's codes are dequantized with their
+    scale pools `k_scales`, `v_scales` [num_pages, page_size, H] as they are gathered."""
     rows, _, head_dim = q.shape
     page_size, max_pages = k_pages.shape[1], table.shape[0]
     window = max(min(window, page_size * max_pages), 1)
@@ -31,8 +36,14 @@ def causal_paged_attention_torch(
     low = max(0, first - window + 1)
     positions = torch.arange(low, last + 1, device=q.device)
     pages = table.long()[(positions // page_size) % max_pages]
-    keys = k_pages[pages, positions % page_size].transpose(0, 1)  # [H, n, D]
-    values = v_pages[pages, positions % page_size].transpose(0, 1)
+    slots = positions % page_size
+    keys, values = k_pages[pages, slots], v_pages[pages, slots]  # [n, H, D]
+    if k_scales is not None and v_scales is not None:
+        keys, values = (
+            dequantize(keys, k_scales[pages, slots], q.dtype),
+            dequantize(values, v_scales[pages, slots], q.dtype),
+        )
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [H, n, D]
     query = positions[None, :] <= torch.arange(first, last + 1, device=q.device)[:, None]
     visible = query & (positions[None, :] > torch.arange(first, last + 1, device=q.device)[:, None] - window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, scale=scale)

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .drain import DrainingServer
+    from .front_door import FrontDoor
     from .preflight import preflight, refused
     from .runtime import load_runtime
 
@@ -132,8 +133,13 @@ def run(args: argparse.Namespace) -> int:
         except InputRefused as e:  # what only loading shows (a file that does not match the model)
             raise refused(settings, e) from None
         app = create_app(settings, runtime)
+        door = FrontDoor.from_settings(settings, app.state.context.metrics)  # header timeout, connection caps
+        door.check_fd_limit()
+        http, ws = door.protocols()
         config = uvicorn.Config(
             app,
+            http=http,
+            ws=ws,
             host=settings.host,
             port=settings.port,
             ssl_certfile=settings.ssl_certfile,

@@ -2,14 +2,14 @@
 
 Engine counters and gauges are read from `Engine.stats()` at scrape time; step duration and batch size come from
 the engine's step callback and dropped frames from its drop callback (prometheus-client is thread-safe);
-per-session counters are fed by the connections.
+per-session counters are fed by the connections, and the connection counts by the front door (`server.front_door`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -116,8 +116,26 @@ class Metrics:
             ["outcome"],
             registry=registry,
         )
+        self.connections_open = Gauge(
+            "duplexd_connections_open",
+            "TCP connections open: HTTP, WebSocket, or over a cap and being refused",
+            registry=registry,
+        )
+        self.connections_refused = Counter(
+            "duplexd_connections_refused",
+            "connections over --max-connections-per-ip (per_ip) or --max-connections (total), answered 503 or closed",
+            ["reason"],
+            registry=registry,
+        )
+        self.connections_timed_out = Counter(
+            "duplexd_connections_timed_out",
+            "connections closed because their request head was not complete within --header-timeout",
+            registry=registry,
+        )
         for direction in ("in", "out"):
             self.dropped.labels(direction)
+        for reason in ("per_ip", "total"):
+            self.connections_refused.labels(reason)
         for outcome in ("completed", "failed"):
             self.transcripts.labels(outcome)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from duplexd.engine.devices import check_devices
+from duplexd.engine.devices import check_devices, check_kv_dtype
 from duplexd.engine.errors import CheckpointError, InputRefused
 from duplexd.engine.models.config import LMConfig
 from duplexd.engine.persona.voices import AUDIO_SUFFIXES, PRESET_SUFFIX, voice_files
@@ -168,7 +168,8 @@ def bind(settings: ServerSettings) -> socket.socket:
 def preflight(settings: ServerSettings) -> socket.socket:
     """Every check that needs no model, cheapest first; returns the bound socket. Raises `SettingsError`."""
     try:
-        check_devices(settings.devices, "devices")
+        for device in check_devices(settings.devices, "devices"):
+            check_kv_dtype(settings.kv_dtype, device)
         if settings.transcribe_device is not None:
             check_devices([settings.transcribe_device], "transcribe_device")
         if settings.transcribe is not None:

@@ -284,6 +284,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         config = EngineConfig(
             max_sessions=settings.max_sessions,
             kv_memory=settings.kv_memory,
+            kv_dtype=settings.kv_dtype,
             max_session_frames=settings.max_session_frames,
             max_pending_frames=settings.max_pending_frames,
             max_output_frames=settings.max_output_frames,

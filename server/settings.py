@@ -92,6 +92,12 @@ class ServerSettings(BaseSettings):
     kv_memory: Annotated[ByteSize, Field(gt=0)] | None = opt(
         None, "KV cache memory per device, e.g. 40GiB (default: the engine's choice)", _CAP, metavar="SIZE"
     )
+    kv_dtype: Literal["bf16", "int8", "fp8"] = opt(
+        "bf16",
+        "KV cache format: bf16 (the weights' dtype), int8 or fp8 (e4m3; GPUs of compute capability 8.9+), 8-bit "
+        "codes with a scale per token and head: about twice the sessions per GPU (duplexd capacity)",
+        _CAP,
+    )
     max_pending_frames: int = opt(25, "input frames queued per session (25 = 2 s)", _CAP, ge=1)
     max_output_frames: int = opt(
         50, "output frames queued per session, the oldest dropped beyond (50 = 4 s)", _CAP, ge=1
@@ -119,6 +125,21 @@ class ServerSettings(BaseSettings):
     codec_threads: int = opt(
         1, "threads that run every session's Opus decoding and encoding, one batch a direction per tick", _CAP, ge=1
     )
+    header_timeout: float = opt(
+        10.0,
+        "close a connection whose request head (request line and headers, a WebSocket handshake too) is not "
+        "complete this many seconds after it opened, or after its next request began",
+        _CAP,
+        gt=0,
+    )
+    max_connections_per_ip: int = opt(
+        256,
+        "connections open from one client address; more get 503 (behind a proxy all clients share the proxy's "
+        "address: cap them at the proxy, and raise this)",
+        _CAP,
+        ge=1,
+    )
+    max_connections: int = opt(1024, "connections open in all; more get 503", _CAP, ge=1)
     transcribe: str | None = opt(
         None,
         "transcribe what users say with this Gemma 4: a folder in Hugging Face layout, a hub repo id, or demo "

@@ -187,9 +187,10 @@ def kernel_inventory() -> tuple[list[str], list[str]]:
 
 
 def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | None) -> None:
-    """`LMGen.step` under `force_triton` at each batch size: Moshi 7B (`layers` temporal and DepFormer layers if
-    given), bf16 weights, on `meta`."""
+    """`LMGen.step` under `force_triton` at each batch size and KV format (`--kv-dtype`): Moshi 7B (`layers`
+    temporal and DepFormer layers if given), bf16 weights, on `meta`."""
     from duplexd.engine.dialogue.lm_gen import LMGen
+    from duplexd.engine.kv.dtypes import KV_DTYPES
     from duplexd.engine.models.config import PRESETS
     from duplexd.engine.weights.checkpoint import build_lm
     from duplexd.kernels.dispatch import force_triton
@@ -198,16 +199,21 @@ def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | Non
     if layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=layers, depformer_num_layers=layers)
     model = build_lm(cfg, device="meta", dtype=torch.bfloat16)
-    for batch in batches:
-        gen = LMGen(model, num_slots=batch)
-        user_codes = torch.zeros(batch, cfg.num_user_codebooks, dtype=torch.long, device="meta")
-        recorder.context = f"LMGen.step B={batch}"
-        with force_triton():
-            gen.step(torch.arange(batch, device="meta"), user_codes)
-    drive_prefill(recorder, cfg)
+    for kv_dtype in KV_DTYPES:
+        for batch in batches:
+            gen = LMGen(model, num_slots=batch, kv_dtype=kv_dtype)
+            user_codes = torch.zeros(batch, cfg.num_user_codebooks, dtype=torch.long, device="meta")
+            recorder.context = step_context(batch, kv_dtype)
+            with force_triton():
+                gen.step(torch.arange(batch, device="meta"), user_codes)
+        drive_prefill(recorder, cfg, kv_dtype)
 
 
-def drive_prefill(recorder: Recorder, cfg) -> None:
+def step_context(batch: int, kv_dtype: str) -> str:
+    return f"LMGen.step B={batch}" + ("" if kv_dtype == "bf16" else f" kv={kv_dtype}")
+
+
+def drive_prefill(recorder: Recorder, cfg, kv_dtype: str) -> None:
     """`LMGen.prefill` of a PersonaPlex model (`cfg` with dep_q = 16): a whole 200-frame prompt and the first
     chunk of another in one forward, as the engine plans them."""
     from duplexd.engine.dialogue.lm_gen import LMGen
@@ -216,10 +222,10 @@ def drive_prefill(recorder: Recorder, cfg) -> None:
     from duplexd.kernels.dispatch import force_triton
 
     cfg = dataclasses.replace(cfg, dep_q=cfg.n_q, ring_rule="personaplex")  # its window: context - 1 keys
-    gen = LMGen(build_lm(cfg, device="meta", dtype=torch.bfloat16), num_slots=2)
+    gen = LMGen(build_lm(cfg, device="meta", dtype=torch.bfloat16), num_slots=2, kv_dtype=kv_dtype)
     voice = Voice("v", None, 50, codes=torch.zeros(50, cfg.agent_codebooks, dtype=torch.long))  # type: ignore[arg-type]
     prompt = build_prompt(cfg, voice, list(range(100, 238)))
-    recorder.context = f"LMGen.prefill {prompt.forwards}+64 rows"
+    recorder.context = f"LMGen.prefill {prompt.forwards}+64 rows" + ("" if kv_dtype == "bf16" else f" kv={kv_dtype}")
     with force_triton():
         gen.prefill([PromptChunk(0, prompt, 0, prompt.forwards), PromptChunk(1, prompt, 0, 64)])
 
@@ -236,6 +242,7 @@ def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: 
         raise SystemExit("run without TRITON_INTERPRET: interpreted kernels do not compile")
     from triton.runtime import driver
 
+    from duplexd.engine.kv.dtypes import KV_DTYPES
     from duplexd.kernels import decode_attention
 
     driver.set_active(Sm90Driver())
@@ -250,6 +257,7 @@ def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: 
         "target": "sm_90a",
         "sms": sms,
         "batches": list(batches),
+        "kv_dtypes": list(KV_DTYPES),
         "layers": layers,
         "kernels": kernels,
         "device_functions": device_functions,

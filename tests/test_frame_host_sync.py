@@ -45,17 +45,20 @@ def test_host_work_catches_what_it_should():
     assert all("test_frame_host_sync" not in op.where for op in mode.ops)  # only duplexd's own lines are named
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("mode", ["exact-batch", "padded-to-bucket", "graphs-before-capture"])
-def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(meta_models, no_launch, mode):
+def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(meta_models, no_launch, mode, kv_dtype):
     """Also the path of the engine's warm-up on CUDA: graphs on, nothing captured yet (inputs staged on the host
-    go through the padded eager call)."""
+    go through the padded eager call); and with an 8-bit KV pool, whose scales are device tensors only."""
     pipeline = Pipeline(
         *meta_models,
         num_slots=6,
         buckets=(1, 2, 4, 6),
         pad=mode != "exact-batch",
         graphs=mode == "graphs-before-capture",
+        kv_dtype=kv_dtype,
     )
+    assert (pipeline.lm_gen.kv.k_scales is None) == (kv_dtype == "bf16")
     for slot, position in ((0, 0), (2, 1), (3, 2999), (5, 7000)):  # warming up, first output, full and wrapped
         pipeline.seek(slot, position)
     # The engine hands host audio (staged, then copied); offline callers may hand a device tensor.

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.sm90_compile import engine_variants
+from tests.sm90_compile import engine_variants, step_context
 
 HELPER = Path(__file__).with_name("sm90_compile.py")
 
@@ -62,4 +62,23 @@ def test_every_kernel_is_exercised(report):
     assert len(report["kernels"]) >= 6, report["kernels"]
     assert not report["never_compiled"], f"not launched by LMGen.step: {report['never_compiled']}"
     contexts = {c for v in report["variants"] for c in v["contexts"]}
-    assert {f"LMGen.step B={b}" for b in report["batches"]} <= contexts
+    assert {step_context(b, kv) for b in report["batches"] for kv in report["kv_dtypes"]} <= contexts
+    assert set(report["kv_dtypes"]) == {"bf16", "int8", "fp8"}
+
+
+def test_every_kv_dtype_compiles_its_own_variants(report):
+    """The 8-bit pools' kernels are their own variants: the decode kernel with SCALED on int8 and fp8 pointers,
+    the quantize-and-store kernel for each format, at every batch the step runs (and in the prefill)."""
+    for kv, ptr in (("int8", "*i8"), ("fp8", "*fp8e4nv")):
+        for kernel, flag, pages in (
+            ("_split_kernel", "SCALED=True", "k_ptr"),
+            ("_store_kv_kernel", f"INT8={kv == 'int8'}", "kc_ptr"),
+        ):
+            seen = {
+                c
+                for v in engine_variants(report)
+                if v["kernel"] == kernel and flag in v["signature"].split() and f" {pages}:{ptr}" in v["signature"]
+                for c in v["contexts"]
+            }
+            want = {step_context(b, kv) for b in report["batches"]}
+            assert want <= seen and any("prefill" in c for c in seen), (kernel, kv, sorted(seen))

@@ -15,6 +15,7 @@ engine's steps 1.5-2x slower here (docs/BENCHMARKS.md). Threads that have exited
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -23,9 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import check_kv_dtype
+from ..errors import DeviceError
+from ..kv.dtypes import KV_DTYPES
 from ..kv.paged import PagedKVCache, window_pages
 from ..listeners import Listeners
-from ..models.config import ConfigError
+from ..models.config import ConfigError, LMConfig
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel, MimiStreams
 from ..models.tokenizer import TextTokenizer
@@ -51,6 +55,7 @@ class EngineConfig:
     max_sessions: int = 8
     kv_memory: int | None = None  # bytes for the KV pool; None: a whole window per slot (CPU) or free memory (CUDA)
     page_size: int = 64  # frames per KV page
+    kv_dtype: str = "bf16"  # the KV pages' format: the model's dtype, or int8 / fp8 codes with scales (engine/kv)
     max_session_frames: int | None = None  # cap on every session's length; shorter sessions reserve fewer pages
     max_pending_frames: int = 25  # inbox bound per session (2 s of audio)
     max_output_frames: int = 250  # outbox bound per session (20 s); the oldest frame is dropped beyond it
@@ -73,6 +78,8 @@ class EngineConfig:
             raise ConfigError("max_pending_frames and max_output_frames must be >= 1")
         if self.max_prefill_rows < 1 or (self.prefill_rows is not None and self.prefill_rows < 1):
             raise ConfigError("prefill_rows and max_prefill_rows must be >= 1")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -97,25 +104,43 @@ class EngineStats:
     prompt_frames: int = 0  # persona prompt frames prefilled
 
 
-def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: int) -> int:
+def session_pages(cfg: LMConfig, config: EngineConfig) -> int:
+    """KV pages one session reserves: a whole window, or fewer under `max_session_frames` (a PersonaPlex session's
+    prompt comes on top)."""
+    cap = config.max_session_frames
+    if cap is not None and cfg.predicts_user_audio:  # a persona prompt's frames come before the session's
+        cap += PROMPT_ALLOWANCE
+    return window_pages(cfg.context, config.page_size, cap)
+
+
+def kv_page_bytes(lm: LMModel, config: EngineConfig) -> int:
+    cfg = lm.cfg
+    return PagedKVCache.page_bytes(
+        cfg.num_layers, cfg.num_heads, cfg.head_dim, config.page_size, lm.text_emb.dtype, config.kv_dtype
+    )
+
+
+def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: int, free: int | None = None) -> int:
     """Pages in the KV pool: from `kv_memory`, else from free CUDA memory, else one window per slot.
 
-    From CUDA memory: what is free now, less the Mimi streams the engine allocates next and `CUDA_HEADROOM` for
-    the frame's activations, graph pools and library workspaces (a frame's activations at 128 sessions are under
-    1 GB, nearly all Mimi's: peak RSS of its encode + decode on the CPU; held twice, by the eager warm-up's cached
-    blocks and by the graph pool), capped at a whole window per slot. The pool is two allocations: no
-    fragmentation.
+    From CUDA memory: what is free now (or `free` bytes: `duplexd capacity` sizes a GPU it does not have), less the
+    Mimi streams the engine allocates next and `CUDA_HEADROOM` for the frame's activations, graph pools and library
+    workspaces (a frame's activations at 128 sessions are under 1 GB, nearly all Mimi's: peak RSS of its encode +
+    decode on the CPU; held twice, by the eager warm-up's cached blocks and by the graph pool), capped at a whole
+    window per slot. The pool is two allocations (four with an 8-bit `kv_dtype`'s scales): no fragmentation.
     """
-    cfg = lm.cfg
-    page = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, config.page_size, lm.text_emb.dtype)
+    page = kv_page_bytes(lm, config)
     wanted = config.max_sessions * per_session
     if config.kv_memory is not None:
         pages = config.kv_memory // page
     elif torch.device(config.device).type == "cuda":
-        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        measured = free is None
+        if free is None:
+            free, _ = torch.cuda.mem_get_info(torch.device(config.device))
         streams = MimiStreams.state_bytes(mimi, config.max_sessions)
         pages = min(wanted, max(free - streams - CUDA_HEADROOM, 0) // page)
-        logger.info(
+        logger.log(
+            logging.INFO if measured else logging.DEBUG,
             "KV pool from CUDA memory: %.2f GiB free, %.2f GiB for Mimi's streams, %.2f GiB kept free",
             free / GiB,
             streams / GiB,
@@ -131,6 +156,25 @@ def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: 
     return pages
 
 
+def sessions_that_fit(lm: LMModel, mimi: MimiModel, config: EngineConfig, free: int | None = None) -> int:
+    """The most slots (<= config.max_sessions) whose sessions all fit the KV pool an `Engine` with that many slots
+    makes (`pool_pages`; each slot also costs Mimi streams, so fewer slots leave more pages: a bisection)."""
+    per_session = session_pages(lm.cfg, config)
+
+    def fits(slots: int) -> bool:
+        try:
+            pages = pool_pages(lm, mimi, dataclasses.replace(config, max_sessions=slots), per_session, free)
+        except ConfigError:
+            return False
+        return pages >= slots * per_session
+
+    low, high = 0, config.max_sessions
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
 class Engine:
     def __init__(
         self, lm: LMModel, mimi: MimiModel, tokenizer: TextTokenizer | None = None, config: EngineConfig | None = None
@@ -140,17 +184,20 @@ class Engine:
         self.sample_rate, self.frame_size = mimi.cfg.sample_rate, mimi.cfg.frame_size
         cfg = lm.cfg
         page_size = config.page_size
-        cap = config.max_session_frames
-        if cap is not None and cfg.predicts_user_audio:  # a persona prompt's frames come before the session's
-            cap += PROMPT_ALLOWANCE
-        per_session = window_pages(cfg.context, page_size, cap)
-        kv = lm.new_kv_cache(config.max_sessions, pool_pages(lm, mimi, config, per_session), page_size)
+        try:
+            check_kv_dtype(config.kv_dtype, str(self.device))
+        except DeviceError as e:
+            raise ConfigError(f"--kv-dtype {e}") from None
+        per_session = session_pages(cfg, config)
+        pages = pool_pages(lm, mimi, config, per_session)
+        kv = lm.new_kv_cache(config.max_sessions, pages, page_size, config.kv_dtype)
         self.kv = kv
         logger.info(
-            "KV cache: %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",
+            "KV cache (%s): %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",
+            config.kv_dtype,
             kv.num_pages,
             page_size,
-            (kv.keys.nbytes + kv.values.nbytes) / GiB,
+            kv.nbytes / GiB,
             kv.sessions_fit(config.max_session_frames),
             config.max_sessions,
         )

@@ -52,12 +52,19 @@ class StepOutput:
 class LMGen:
     """Per-slot streaming state for `num_slots` conversations sharing one `LMModel`.
 
-    `kv` is the paged cache the slots attend through; without one, LMGen makes a pool holding a whole window for
-    every slot and assigns each slot its pages now (offline use). The engine passes its own pool and assigns
-    pages at admission. Every per-slot tensor has one extra row for the scratch slot.
+    `kv` is the paged cache the slots attend through; without one, LMGen makes a pool (in `kv_dtype`) holding a
+    whole window for every slot and assigns each slot its pages now (offline use). The engine passes its own pool
+    and assigns pages at admission. Every per-slot tensor has one extra row for the scratch slot.
     """
 
-    def __init__(self, model: LMModel, num_slots: int, kv: PagedKVCache | None = None, page_size: int = 64) -> None:
+    def __init__(
+        self,
+        model: LMModel,
+        num_slots: int,
+        kv: PagedKVCache | None = None,
+        page_size: int = 64,
+        kv_dtype: str = "bf16",
+    ) -> None:
         cfg = model.cfg
         device = model.text_emb.device
         self.model, self.cfg, self.num_slots = model, cfg, num_slots
@@ -72,7 +79,7 @@ class LMGen:
         # Generated streams whose value in a ring column is given rather than sampled (a prompt's last frame).
         self.forced = torch.zeros(rows, cfg.agent_codebooks + 1, self.ring_size, dtype=torch.bool, device=device)
         if kv is None:
-            kv = model.new_kv_cache(num_slots, num_slots * window_pages(cfg.context, page_size), page_size)
+            kv = model.new_kv_cache(num_slots, num_slots * window_pages(cfg.context, page_size), page_size, kv_dtype)
             for slot in range(num_slots):
                 kv.allocate(slot)
         if kv.num_slots != num_slots:

@@ -40,7 +40,7 @@ class Pipeline:
     """Mimi and the LM sharing `num_slots` conversation slots (`kv`: the LM's paged cache, see `LMGen`).
 
     `buckets`, `graphs`, `pad`: how `step` runs the frame (see `BucketedCall`); by default eagerly at the batch's
-    own size.
+    own size. `kv_dtype`: the format of the pool LMGen makes when `kv` is None.
     """
 
     def __init__(
@@ -53,13 +53,14 @@ class Pipeline:
         buckets: Sequence[int] | None = None,
         graphs: bool = False,
         pad: bool = False,
+        kv_dtype: str = "bf16",
     ) -> None:
         if mimi.cfg.num_codebooks < lm.cfg.num_user_codebooks or mimi.cfg.card != lm.cfg.card:
             raise ValueError(
                 f"Mimi ({mimi.cfg.num_codebooks} codebooks of {mimi.cfg.card}) does not match the LM "
                 f"({lm.cfg.num_user_codebooks} user codebooks of {lm.cfg.card})"
             )
-        self.lm_gen = LMGen(lm, num_slots, kv)
+        self.lm_gen = LMGen(lm, num_slots, kv, kv_dtype=kv_dtype)
         self.mimi = MimiStreams(mimi, num_slots)
         self.num_slots, self.frame_size = num_slots, mimi.cfg.frame_size
         self.device = lm.text_emb.device

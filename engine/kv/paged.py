@@ -13,6 +13,11 @@ Unassigned table entries point at the scratch page, and so does the whole row of
 `num_slots` of the table): padding rows of a bucketed batch run as that slot, write there and never touch a live
 session's pages.
 
+With an 8-bit `kv_dtype` (`dtypes.py`) the pages hold codes and two more pools parallel to them hold an fp32
+scale per (token, head) for keys and for values ([layers, pages + 1, page_size, H]); a step's key and value are
+quantized as they are written (`kernels.kv_quant`), codes and scales together, so a recycled page's scales are
+always its new frames', and attention applies the scales as it reads (`kernels.decode_attention`).
+
 Admission is host bookkeeping only (`allocate` and `free` change `host_tables`), so it never waits for a step in
 flight; the engine's loop thread copies a slot's row to the device (`upload`) when the slot starts a
 conversation, between two steps.
@@ -28,9 +33,11 @@ import torch
 
 from duplexd.kernels.decode_attention import decode_attention
 from duplexd.kernels.dispatch import use_triton
+from duplexd.kernels.kv_quant import store_quantized
 from duplexd.kernels.prefill_attention import causal_paged_attention_torch
 
 from ..errors import CapacityError
+from .dtypes import element_bytes, quantized, storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +79,10 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         window: int | None = None,
+        kv_dtype: str = "bf16",
     ) -> None:
         """`window`: keys a query attends (default `context`; `LMConfig.attention_window`); the ring holds
-        `context` positions either way."""
+        `context` positions either way. `dtype`: the model's; `kv_dtype`: the pages' format (`dtypes.py`)."""
         window = context if window is None else window
         if page_size < 1 or num_pages < 0 or num_slots < 1 or not 0 < window <= context:
             raise ValueError(
@@ -87,17 +95,30 @@ class PagedKVCache:
         self.scratch = num_pages
         self.scratch_slot = num_slots
         shape = (num_layers, num_pages + 1, page_size, num_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_dtype = kv_dtype
+        self.keys = torch.zeros(shape, dtype=storage_dtype(kv_dtype, dtype), device=device)
+        self.values = torch.zeros(shape, dtype=self.keys.dtype, device=device)
+        # An 8-bit pool's scales: [layers, pages + 1, page_size, H] fp32 each; None for the model's dtype.
+        self.k_scales = torch.zeros(shape[:-1], device=device) if quantized(kv_dtype) else None
+        self.v_scales = torch.zeros(shape[:-1], device=device) if quantized(kv_dtype) else None
         self.host_tables = np.full((num_slots + 1, self.max_pages), self.scratch, dtype=np.int32)
         self.tables = torch.from_numpy(self.host_tables).to(device, copy=True)  # what steps read
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: recently freed pages are reused first
         self._owned: dict[int, list[int]] = {}
 
     @staticmethod
-    def page_bytes(num_layers: int, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one page across all layers, keys and values."""
-        return 2 * num_layers * page_size * num_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def page_bytes(
+        num_layers: int, num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, kv_dtype: str = "bf16"
+    ) -> int:
+        """Bytes of one page across all layers, keys and values (and their scales), for a model of `dtype`."""
+        per_head = head_dim * element_bytes(storage_dtype(kv_dtype, dtype)) + (4 if quantized(kv_dtype) else 0)
+        return 2 * num_layers * page_size * num_heads * per_head
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (the scratch page included)."""
+        pools = (self.keys, self.values, self.k_scales, self.v_scales)
+        return sum(t.nbytes for t in pools if t is not None)
 
     # ---------------------------------------------------------------------------------------- host bookkeeping
 
@@ -182,13 +203,20 @@ class PagedKVCache:
     def attend(self, layer: int, view: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's k, v [B, H, D] and attend q [B, H, D] to each row's last `window` positions."""
         keys, values = self.keys[layer], self.values[layer]
-        keys[view.write_page, view.write_offset] = k
-        values[view.write_page, view.write_offset] = v
+        ks = vs = None
+        if self.k_scales is None or self.v_scales is None:
+            keys[view.write_page, view.write_offset] = k
+            values[view.write_page, view.write_offset] = v
+        else:
+            ks, vs = self.k_scales[layer], self.v_scales[layer]
+            store_quantized(k, v, keys, values, ks, vs, view.write_page, view.write_offset)
         if view.runs is not None and not use_triton(q):
             return torch.cat(
                 [
-                    causal_paged_attention_torch(q[a:b], keys, values, view.block_table[a], first, self.window)
+                    causal_paged_attention_torch(
+                        q[a:b], keys, values, view.block_table[a], first, self.window, k_scales=ks, v_scales=vs
+                    )
                     for a, b, first in view.runs
                 ]
             )
-        return decode_attention(q, keys, values, view.block_table, view.lengths, self.window)
+        return decode_attention(q, keys, values, view.block_table, view.lengths, self.window, k_scales=ks, v_scales=vs)

@@ -106,7 +106,7 @@ class LMModel(nn.Module):
         )
         self.dep_heads = _param(q, dd, cfg.card)
 
-    def new_kv_cache(self, num_slots: int, num_pages: int, page_size: int) -> PagedKVCache:
+    def new_kv_cache(self, num_slots: int, num_pages: int, page_size: int, kv_dtype: str = "bf16") -> PagedKVCache:
         cfg = self.cfg
         return PagedKVCache(
             num_layers=cfg.num_layers,
@@ -119,6 +119,7 @@ class LMModel(nn.Module):
             dtype=self.text_emb.dtype,
             device=self.text_emb.device,
             window=cfg.attention_window,
+            kv_dtype=kv_dtype,
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

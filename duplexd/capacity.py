@@ -1,0 +1,200 @@
+"""`duplexd capacity`: how many sessions of a model fit on a GPU, by the sizing rule the server itself uses.
+
+The LM and Mimi are built on the `meta` device (shapes, no memory), their weights counted, and what is left of the
+GPU's memory goes through the engine's own pool sizing (`sessions_that_fit` → `pool_pages`: less Mimi's streams
+per slot and `CUDA_HEADROOM`, pages of `page_size` frames, a whole window, or `--window` frames, per session), so
+the answer is what `duplexd serve --max-sessions N` on that GPU admits. `--gpu-memory` is the device's total as
+the driver reports it (nvidia-smi's "memory.total"; an H200 shows about 140 GiB, 139 usable); the CUDA context
+and libraries' share of it is an estimate (`CUDA_CONTEXT`) that a live device replaces with its own free memory.
+
+The last line printed is one JSON object: `{"sessions": N, ...}` with the byte breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from duplexd.engine.devices import check_device, check_kv_dtype
+from duplexd.engine.dialogue.engine import (
+    CUDA_HEADROOM,
+    EngineConfig,
+    kv_page_bytes,
+    pool_pages,
+    session_pages,
+    sessions_that_fit,
+)
+from duplexd.engine.errors import InputRefused
+from duplexd.engine.kv.dtypes import KV_DTYPES
+from duplexd.engine.models.config import MIMI_PRESETS, PRESETS, LMConfig
+from duplexd.engine.models.lm import LMModel
+from duplexd.engine.models.mimi import MimiModel, MimiStreams
+from duplexd.engine.weights.checkpoint import read_lm_config
+
+GiB = 2**30
+CUDA_CONTEXT = GiB  # the CUDA context, cuBLAS workspaces and loaded kernels, before the engine sizes its pool
+SEARCH_LIMIT = 1 << 16  # sessions: the answer is "at least this" beyond it
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The Mimi each LM preset speaks through (as `duplexd serve --random-weights`).
+PRESET_MIMI = {"moshi-7b": "mimi", "demo": "demo"}
+
+
+def parse_size(text: str) -> int:
+    """`139GiB`, `80GB`, `500MiB` or a number of bytes."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        size = int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise InputRefused(f"{text}: not a size (give e.g. 139GiB, 80GB or a number of bytes)", "gpu_memory") from None
+    if size <= 0:
+        raise InputRefused(f"{text}: must be more than 0 bytes", "gpu_memory")
+    return size
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """The answer and every term of the sum that gives it (bytes)."""
+
+    sessions: int
+    model: str
+    kv_dtype: str
+    weight_dtype: str
+    window_frames: int
+    page_size: int
+    memory: int  # the device's memory (given, or the live device's total)
+    free_for_engine: int  # what the engine's rule starts from: memory less context and weights (or measured)
+    lm_weights: int
+    mimi_weights: int
+    cuda_context: int  # estimated; 0 when measured on the live device (its free memory already excludes it)
+    headroom: int
+    mimi_streams: int  # for `sessions` slots
+    kv_page: int
+    kv_window: int  # one session's pages
+    kv_pages: int  # the pool's pages for `sessions` sessions (a scratch page comes on top)
+    kv_pool: int  # bytes the pool allocates, scratch page included
+    at_limit: bool  # the search stopped at SEARCH_LIMIT: at least this many fit
+
+    def lines(self) -> list[str]:
+        more = "at least " if self.at_limit else ""
+        return [
+            f"{self.model}: {more}{self.sessions} sessions of {self.window_frames} frames fit with --kv-dtype "
+            f"{self.kv_dtype} ({self.weight_dtype} weights) in {self.memory / GiB:.1f} GiB",
+            f"  weights: LM {self.lm_weights / GiB:.2f} GiB, Mimi {self.mimi_weights / GiB:.2f} GiB; CUDA context "
+            + (f"{self.cuda_context / GiB:.2f} GiB (estimate)" if self.cuda_context else "measured"),
+            f"  kept free {self.headroom / GiB:.2f} GiB; Mimi streams {self.mimi_streams / GiB:.2f} GiB for "
+            f"{self.sessions} slots",
+            f"  KV: {self.kv_window / GiB:.3f} GiB per session ({self.kv_window // self.kv_page} pages of "
+            f"{self.page_size} frames), pool {self.kv_pool / GiB:.2f} GiB ({self.kv_pages} pages + scratch)",
+        ]
+
+
+def lm_config(args: argparse.Namespace) -> tuple[str, LMConfig, str]:
+    """(name, LM config, Mimi preset) from --model or --config."""
+    if args.config is not None:
+        if args.model is not None:
+            raise InputRefused("give --model or --config, not both", "config")
+        return Path(args.config).name, read_lm_config(args.config), args.mimi_preset
+    model = args.model or "moshi-7b"
+    if model not in PRESETS:
+        raise InputRefused(f"{model}: not a preset; pick one of {', '.join(sorted(PRESETS))}", "model")
+    return model, PRESETS[model], args.mimi_preset or PRESET_MIMI[model]
+
+
+def capacity(
+    name: str,
+    cfg: LMConfig,
+    mimi_preset: str,
+    kv_dtype: str,
+    dtype: torch.dtype,
+    memory: int | None,
+    window: int | None = None,
+    page_size: int = 64,
+    device: str = "cuda",
+) -> Capacity:
+    """Sessions that fit on `device` with `memory` bytes (None: the live device's free memory now)."""
+    with torch.device("meta"):
+        lm = LMModel(cfg).to(dtype)
+        mimi = MimiModel(MIMI_PRESETS[mimi_preset])
+    lm_weights, mimi_weights = weight_bytes(lm), weight_bytes(mimi)
+    if memory is None:
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        context, memory = 0, total
+    else:
+        free, context = memory, CUDA_CONTEXT
+    free_for_engine = max(free - context - lm_weights - mimi_weights, 0)
+    config = EngineConfig(
+        max_sessions=SEARCH_LIMIT, page_size=page_size, max_session_frames=window, device=device, kv_dtype=kv_dtype
+    )
+    sessions = sessions_that_fit(lm, mimi, config, free_for_engine)
+    per_session = session_pages(cfg, config)
+    fitted = dataclasses.replace(config, max_sessions=max(sessions, 1))
+    pages = pool_pages(lm, mimi, fitted, per_session, free_for_engine) if sessions else 0
+    page = kv_page_bytes(lm, config)
+    return Capacity(
+        sessions=sessions,
+        model=name,
+        kv_dtype=kv_dtype,
+        weight_dtype=str(dtype).removeprefix("torch."),
+        window_frames=min(window or cfg.context, cfg.context),
+        page_size=page_size,
+        memory=memory,
+        free_for_engine=free_for_engine,
+        lm_weights=lm_weights,
+        mimi_weights=mimi_weights,
+        cuda_context=context,
+        headroom=CUDA_HEADROOM,
+        mimi_streams=MimiStreams.state_bytes(mimi, sessions) if sessions else 0,
+        kv_page=page,
+        kv_window=per_session * page,
+        kv_pages=pages,
+        kv_pool=(pages + 1) * page if sessions else 0,
+        at_limit=sessions == SEARCH_LIMIT,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    name, cfg, mimi_preset = lm_config(args)
+    if args.window is not None and args.window < 1:
+        raise InputRefused(f"{args.window}: must be at least 1 frame", "window")
+    memory = None if args.gpu_memory is None else parse_size(args.gpu_memory)
+    device = "cuda"
+    if memory is None:
+        if not torch.cuda.is_available():
+            raise InputRefused(
+                "not given, and this machine has no CUDA device to measure: give e.g. 139GiB", "gpu_memory"
+            )
+        device = check_device(args.device, "device")
+        check_kv_dtype(args.kv_dtype, device)
+    result = capacity(name, cfg, mimi_preset, args.kv_dtype, DTYPES[args.dtype], memory, args.window, device=device)
+    if not args.json:
+        sys.stdout.write("\n".join(result.lines()) + "\n")
+    sys.stdout.write(json.dumps(dataclasses.asdict(result)) + "\n")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("capacity", help="how many sessions fit on a GPU (the server's own sizing, no memory used)")
+    p.add_argument("--model", help=f"LM preset ({', '.join(sorted(PRESETS))}; default moshi-7b)")
+    p.add_argument("--config", help="a reference config.json instead of a preset")
+    p.add_argument("--mimi-preset", choices=sorted(MIMI_PRESETS), help="Mimi architecture (default: the preset's)")
+    p.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="the GPU's memory as the driver reports it, e.g. 139GiB or 80GB (default: the live CUDA device's)",
+    )
+    p.add_argument("--device", default="cuda:0", help="the live device measured without --gpu-memory")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache format (bf16: the weights' dtype)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="LM weight dtype")
+    p.add_argument("--window", type=int, metavar="FRAMES", help="session length in frames (default: a full window)")
+    p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.set_defaults(func=run)

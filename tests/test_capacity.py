@@ -1,0 +1,115 @@
+"""`duplexd capacity` and the pool sizing it shares with the engine: the answer matches what a CPU engine actually
+allocates, the pool's bytes are sessions x the per-window bytes, the issue's H200 figure, `--kv-dtype` reaching
+the engine (and fp8 refused on a GPU below compute capability 8.9), and bad input as one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from duplexd.capacity import CUDA_CONTEXT, capacity
+from duplexd.cli import main
+from duplexd.engine.devices import check_kv_dtype
+from duplexd.engine.dialogue.engine import CUDA_HEADROOM, Engine, EngineConfig
+from duplexd.engine.errors import DeviceError
+from duplexd.engine.models.config import DEMO, DEMO_MIMI, ConfigError
+from duplexd.engine.models.mimi import MimiModel, MimiStreams
+from duplexd.engine.weights.demo import random_lm
+from duplexd.server.settings import ServerSettings
+
+GiB = 2**30
+
+
+def _capacity_json(capsys, *args: str) -> dict:
+    assert main(["capacity", "--json", *args]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[-1])
+
+
+def test_moshi_7b_on_an_h200_fits_128_full_windows_in_int8_and_80_in_bf16(capsys):
+    int8 = _capacity_json(capsys, "--model", "moshi-7b", "--gpu-memory", "139GiB", "--kv-dtype", "int8")
+    bf16 = _capacity_json(capsys, "--model", "moshi-7b", "--gpu-memory", "139GiB")
+    assert int8["sessions"] >= 128 and 75 <= bf16["sessions"] < 90
+    assert int8["kv_window"] == 32 * 2 * 47 * 64 * 32 * (128 + 4)  # 47 pages of 64 frames, an fp32 scale per head
+    assert bf16["kv_window"] == 32 * 2 * 47 * 64 * 4096 * 2
+    for r in (int8, bf16):  # the terms add up, and one session more would not fit
+        assert r["free_for_engine"] == r["memory"] - r["cuda_context"] - r["lm_weights"] - r["mimi_weights"]
+        assert r["kv_pages"] == r["sessions"] * r["kv_window"] // r["kv_page"]
+        spent = r["headroom"] + r["mimi_streams"] + r["kv_pages"] * r["kv_page"]
+        assert spent <= r["free_for_engine"] < spent + r["kv_window"] + r["mimi_streams"] // r["sessions"]
+    assert int8["lm_weights"] == pytest.approx(14.32 * GiB, rel=0.01) and int8["cuda_context"] == CUDA_CONTEXT
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
+def test_capacity_agrees_with_what_a_cpu_engine_allocates(kv_dtype):
+    """The demo config (fp32 weights, a CPU engine's dtype) on a made-up 0.4 GiB GPU: an engine with that many
+    slots allocates exactly the pool capacity reports, and its weights are the bytes capacity counted."""
+    mimi = MimiModel(DEMO_MIMI).init_weights_(0)
+    lm = random_lm(DEMO, seed=0)
+    got = capacity("demo", DEMO, "demo", kv_dtype, torch.float32, int(0.4 * GiB) + CUDA_CONTEXT + CUDA_HEADROOM)
+    assert 1 < got.sessions < 1000
+    engine = Engine(lm, mimi, config=EngineConfig(max_sessions=got.sessions, kv_dtype=kv_dtype))
+    kv = engine.kv
+    assert kv.keys.dtype == {"bf16": torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
+    assert kv.num_pages == got.kv_pages and kv.nbytes == got.kv_pool == (got.kv_pages + 1) * got.kv_page
+    assert kv.nbytes == got.sessions * got.kv_window + got.kv_page  # sessions x one window, and the scratch page
+    assert kv.sessions_fit() == got.sessions
+    assert got.lm_weights == sum(p.nbytes for p in lm.parameters())
+    assert got.mimi_streams == MimiStreams.state_bytes(mimi, got.sessions)
+
+
+def test_an_int8_engine_serves_sessions(tmp_path):
+    mimi = MimiModel(DEMO_MIMI).init_weights_(0)
+    engine = Engine(random_lm(DEMO, seed=0), mimi, config=EngineConfig(max_sessions=2, kv_dtype="int8", threads=1))
+    engine.start()
+    try:
+        session = engine.open_session()
+        session.push(np.zeros(4 * engine.frame_size, np.float32))
+        outputs = [session.get(timeout=30) for _ in range(3)]
+        assert all(o is not None for o in outputs)
+        assert engine.kv.k_scales is not None and engine.kv.k_scales.any(), "the step wrote scales"
+    finally:
+        engine.stop()
+
+
+def test_kv_dtype_from_the_settings_and_refusals(monkeypatch):
+    monkeypatch.setenv("DUPLEXD_KV_DTYPE", "int8")
+    assert ServerSettings().kv_dtype == "int8"
+    with pytest.raises(ConfigError, match="kv_dtype 'int4'"):
+        EngineConfig(kv_dtype="int4")
+    check_kv_dtype("fp8", "cpu")  # the torch path runs fp8 on a CPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10G")
+    with pytest.raises(DeviceError, match=r"fp8 needs compute capability 8.9 or newer; cuda:0 \(NVIDIA A10G\) is 8.6"):
+        check_kv_dtype("fp8", "cuda:0")
+    check_kv_dtype("int8", "cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_kv_dtype("fp8", "cuda:0")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpu-memory", "lots"], "--gpu-memory lots: not a size"),
+        (["--gpu-memory", "80GB", "--window", "0"], "--window 0: must be at least 1 frame"),
+        (["--gpu-memory", "80GB", "--model", "moshi-13b"], "--model moshi-13b: not a preset"),
+        (["--gpu-memory", "80GB", "--model", "demo", "--config", "c.json"], "--config give --model or --config"),
+        ([], "--gpu-memory not given, and this machine has no CUDA device"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_option(capsys, args, message):
+    if not args and torch.cuda.is_available():
+        pytest.skip("a live CUDA device answers without --gpu-memory")
+    assert main(["capacity", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_shorter_window_fits_more_sessions(capsys):
+    full = _capacity_json(capsys, "--gpu-memory", "80GB", "--kv-dtype", "int8")
+    short = _capacity_json(capsys, "--gpu-memory", "80GB", "--kv-dtype", "int8", "--window", "750")
+    assert short["kv_window"] == -(-750 // 64) * full["kv_window"] // 47 and short["sessions"] > 3 * full["sessions"]
