@@ -50,7 +50,7 @@ class HostOp:
 
 
 def _from_root(path: str) -> str:
-    """`path` from the repository root (engine/kv/paged.py), or its last two parts outside it."""
+    """`path` from the repository root (duplexd/engine/kv/paged.py), or its last two parts outside it."""
     root = f"{ROOT.as_posix()}/"
     return path.removeprefix(root) if path.startswith(root) else "/".join(path.rsplit("/", 2)[-2:])
 
@@ -58,7 +58,7 @@ def _from_root(path: str) -> str:
 def _caller() -> str:
     for frame in reversed(traceback.extract_stack()):
         path = frame.filename.replace("\\", "/")
-        if "/tests/" not in path and any(f"/{d}/" in path for d in ("engine", "kernels", "server", "duplexd")):
+        if "/tests/" not in path and "/duplexd/" in path:
             return f"{_from_root(path)}:{frame.lineno} {frame.line}"
     return "?"
 

@@ -77,7 +77,7 @@ def test_the_public_mimi_calls_check_their_arguments_the_frame_calls_do_not(meta
     pipeline = Pipeline(*meta_models, num_slots=2)
     with HostWork() as mode:
         pipeline.mimi.decode(torch.tensor([1], device="meta"), torch.zeros(1, 8, 1, dtype=torch.long, device="meta"))
-    assert {op.where.split(":")[0] for op in mode.ops if op.kind == "sync"} == {"engine/models/mimi.py"}
+    assert {op.where.split(":")[0] for op in mode.ops if op.kind == "sync"} == {"duplexd/engine/models/mimi.py"}
 
 
 def test_admission_is_host_bookkeeping_only():
