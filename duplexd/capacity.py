@@ -32,9 +32,9 @@ from duplexd.engine.dialogue.engine import (
 from duplexd.engine.errors import InputRefused
 from duplexd.engine.kv.dtypes import KV_DTYPES
 from duplexd.engine.models.config import MIMI_PRESETS, PRESETS, LMConfig
-from duplexd.engine.models.lm import LMModel
+from duplexd.engine.models.int8_weights import WEIGHT_DTYPES
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
-from duplexd.engine.weights.checkpoint import read_lm_config
+from duplexd.engine.weights.checkpoint import build_lm, int8_plan, read_lm_config
 
 GiB = 2**30
 CUDA_CONTEXT = GiB  # the CUDA context, cuBLAS workspaces and loaded kernels, before the engine sizes its pool
@@ -120,10 +120,12 @@ def capacity(
     window: int | None = None,
     page_size: int = 64,
     device: str = "cuda",
+    weights_dtype: str = "bf16",
 ) -> Capacity:
-    """Sessions that fit on `device` with `memory` bytes (None: the live device's free memory now)."""
+    """Sessions that fit on `device` with `memory` bytes (None: the live device's free memory now);
+    `weights_dtype` "int8": the LM's projections as int8 weights, as `--weights-dtype int8` loads them."""
+    lm = build_lm(cfg, "meta", dtype, int8=int8_plan(cfg, set(), weights_dtype))
     with torch.device("meta"):
-        lm = LMModel(cfg).to(dtype)
         mimi = MimiModel(MIMI_PRESETS[mimi_preset])
     lm_weights, mimi_weights = weight_bytes(lm), weight_bytes(mimi)
     if memory is None:
@@ -144,7 +146,7 @@ def capacity(
         sessions=sessions,
         model=name,
         kv_dtype=kv_dtype,
-        weight_dtype=str(dtype).removeprefix("torch."),
+        weight_dtype="int8" if weights_dtype == "int8" else str(dtype).removeprefix("torch."),
         window_frames=min(window or cfg.context, cfg.context),
         page_size=page_size,
         memory=memory,
@@ -175,7 +177,17 @@ def run(args: argparse.Namespace) -> int:
             )
         device = check_device(args.device, "device")
         check_kv_dtype(args.kv_dtype, device)
-    result = capacity(name, cfg, mimi_preset, args.kv_dtype, DTYPES[args.dtype], memory, args.window, device=device)
+    result = capacity(
+        name,
+        cfg,
+        mimi_preset,
+        args.kv_dtype,
+        DTYPES[args.dtype],
+        memory,
+        args.window,
+        device=device,
+        weights_dtype=args.weights_dtype,
+    )
     if not args.json:
         sys.stdout.write("\n".join(result.lines()) + "\n")
     sys.stdout.write(json.dumps(dataclasses.asdict(result)) + "\n")
@@ -195,6 +207,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cuda:0", help="the live device measured without --gpu-memory")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache format (bf16: the weights' dtype)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="LM weight dtype")
+    p.add_argument(
+        "--weights-dtype",
+        choices=WEIGHT_DTYPES,
+        default="bf16",
+        help="LM projections: bf16 (the weight dtype) or int8 (codes with an fp32 scale per output channel)",
+    )
     p.add_argument("--window", type=int, metavar="FRAMES", help="session length in frames (default: a full window)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.set_defaults(func=run)

@@ -20,6 +20,7 @@ from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import InputRefused
 from duplexd.engine.kv.dtypes import KV_DTYPES
 from duplexd.engine.models.config import MIMI_PRESETS, ConfigError
+from duplexd.engine.models.int8_weights import WEIGHT_DTYPES
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.models.tokenizer import TextTokenizer
@@ -100,7 +101,7 @@ def prepare(args: argparse.Namespace) -> tuple[str, ModelFiles, SamplingParams]:
 
 def run(args: argparse.Namespace) -> int:
     device, files, params = prepare(args)
-    lm = load_lm(files.moshi, files.config, device=device, dtype=DTYPES[args.dtype])
+    lm = load_lm(files.moshi, files.config, device=device, dtype=DTYPES[args.dtype], weights_dtype=args.weights_dtype)
     mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
     tokenizer = TextTokenizer(resolve_file(files.tokenizer, TOKENIZER_NAME))
     prompt = persona_prompt(args, lm, mimi, tokenizer)
@@ -154,6 +155,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="LM weight dtype")
     p.add_argument(
         "--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache format (bf16: the weights' dtype), int8, fp8"
+    )
+    p.add_argument(
+        "--weights-dtype",
+        choices=WEIGHT_DTYPES,
+        help="LM projections: int8 (quantized as they load) or bf16 (the weights' dtype); default: as stored",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temp", type=float, default=0.8, help="audio temperature (0 = greedy)")

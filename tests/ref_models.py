@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")  # the reference compiles RMSNorm on CPU otherwise (≈10 s)
@@ -36,19 +37,23 @@ def reference_lm(cfg: LMConfig, seed: int = 0) -> RefLMModel:
 
 
 def fused_state_dict(lm: RefLMModel, cfg: LMConfig) -> dict[str, torch.Tensor]:
-    """The reference's module-naming state dict rewritten in the fused checkpoint naming."""
-    out = {}
-    for k, v in lm.state_dict().items():
-        if ".self_attn.in_projs." in k or ".self_attn.out_projs." in k:
-            continue
-        out[k] = v.contiguous()
+    """The reference's module-naming state dict rewritten in the fused checkpoint naming (a q8 model's `_scb`
+    scales fused alongside their codes, as moshi's load hook splits them)."""
+    sd = lm.state_dict()
+    out = {
+        k: v.contiguous() for k, v in sd.items() if ".self_attn.in_projs." not in k and ".self_attn.out_projs." not in k
+    }
     for prefix, n in (("transformer", cfg.num_layers), ("depformer", cfg.depformer_num_layers)):
         steps = 1 if prefix == "transformer" else cfg.dep_q
         for i in range(n):
-            sd = lm.state_dict()
             p = f"{prefix}.layers.{i}.self_attn."
-            out[p + "in_proj_weight"] = torch.cat([sd[p + f"in_projs.{k}.weight"] for k in range(steps)]).contiguous()
-            out[p + "out_proj.weight"] = torch.cat([sd[p + f"out_projs.{k}.weight"] for k in range(steps)]).contiguous()
+            for suffix in ("", "_scb"):
+                if p + f"in_projs.0.weight{suffix}" not in sd:
+                    continue
+                ins = [sd[p + f"in_projs.{k}.weight{suffix}"] for k in range(steps)]
+                outs = [sd[p + f"out_projs.{k}.weight{suffix}"] for k in range(steps)]
+                out[p + f"in_proj_weight{suffix}"] = torch.cat(ins).contiguous()
+                out[p + f"out_proj.weight{suffix}"] = torch.cat(outs).contiguous()
     return out
 
 
@@ -76,3 +81,22 @@ def reference_mimi(seed: int = 0, mimi_config: dict | None = None):
                 m._initialized.fill_(1.0)
                 m.register_buffer("_embedding", None, persistent=False)
     return mimi.eval()
+
+
+@torch.no_grad()
+def quantized_reference(lm: RefLMModel) -> tuple[RefLMModel, RefLMModel]:
+    """moshi's own q8 model of `lm` (every Linear a `QLinear`, quantized by bitsandbytes as `export_quantized`
+    does) and the reference LM on its dequantized weights (`CB * SCB / 127`, fp32): the oracle of duplexd's int8
+    weights, since moshi's q8 forward is W8A8 in fp16 and its loader cannot read its own q8 files."""
+    from moshi.utils.quantize import QLinear, replace_linear_with_qlinear
+
+    q8 = copy.deepcopy(lm)
+    replace_linear_with_qlinear(q8)
+    dequantized = copy.deepcopy(lm)
+    quantized = dict(q8.named_modules())
+    for name, module in dequantized.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            q = quantized[name]
+            assert isinstance(q, QLinear)
+            module.weight.copy_(q.weight.float() * q.weight_scb[:, None] / 127)
+    return q8.eval(), dequantized.eval()

@@ -3,11 +3,12 @@
 The interpreter the unit tests use does not specialise arguments; the GPU compiler does (an int argument equal to
 1 becomes a compile-time constant, ints divisible by 16 and 16-byte-aligned pointers get hints), so a kernel can
 pass every interpreter test and still fail to compile for the engine. This script installs a stand-in driver
-that reports an sm_90 device, steps `LMGen` over a Moshi 7B model on the `meta` device (no memory, no data; a
-meta view's `data_ptr()` is its byte offset, so alignment hints come out as on the GPU) and, instead of launching,
-compiles each launch exactly as Triton would (specialisation, front end, ptxas) and records the result. Then it
-compiles each kernel once more with every integer argument set to 1, so an argument that is never 1 in today's
-engine but could be tomorrow cannot hide a constexpr bug. ptxas reports registers and spills.
+that reports an sm_90 device, steps `LMGen` over a Moshi 7B model with bf16 and with int8 weights on the `meta`
+device (no memory, no data; a meta view's `data_ptr()` is its byte offset, so alignment hints come out as on the
+GPU) and, instead of launching, compiles each launch exactly as Triton would (specialisation, front end, ptxas)
+and records the result. Then it compiles each kernel once more with every integer argument set to 1, so an
+argument that is never 1 in today's engine but could be tomorrow cannot hide a constexpr bug. ptxas reports
+registers and spills.
 
 Positions reach the kernels only as tensor data (lengths, rotary angles, frames), never as Python ints, so the
 static arguments, and therefore the compiled variants, depend on the batch size, the DepFormer stream and the
@@ -40,6 +41,7 @@ import torch
 SM90_SMS = 132  # streaming multiprocessors of an H200 (and an H100 SXM)
 BATCHES = (1, 3, 64)  # a single session, an odd (unbucketed) batch, a large bucket
 ONES = "every int argument = 1"
+WEIGHTS_DTYPES = ("bf16", "int8")  # int8 weights run with a bf16 pool only: the KV formats' kernels are the same
 
 
 class Sm90Driver:
@@ -188,44 +190,52 @@ def kernel_inventory() -> tuple[list[str], list[str]]:
 
 def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | None) -> None:
     """`LMGen.step` under `force_triton` at each batch size and KV format (`--kv-dtype`): Moshi 7B (`layers`
-    temporal and DepFormer layers if given), bf16 weights, on `meta`."""
+    temporal and DepFormer layers if given), bf16 weights, on `meta`; then with int8 weights (`--weights-dtype
+    int8`: every projection through the W8A16 kernel) at each batch size with a bf16 pool, and its prefill."""
     from duplexd.engine.dialogue.lm_gen import LMGen
     from duplexd.engine.kv.dtypes import KV_DTYPES
     from duplexd.engine.models.config import PRESETS
-    from duplexd.engine.weights.checkpoint import build_lm
+    from duplexd.engine.weights.checkpoint import build_lm, int8_plan
     from duplexd.kernels.dispatch import force_triton
 
     cfg = PRESETS["moshi-7b"]
     if layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=layers, depformer_num_layers=layers)
-    model = build_lm(cfg, device="meta", dtype=torch.bfloat16)
-    for kv_dtype in KV_DTYPES:
+    models = {
+        w: build_lm(cfg, device="meta", dtype=torch.bfloat16, int8=int8_plan(cfg, set(), w)) for w in WEIGHTS_DTYPES
+    }
+    for weights, kv_dtype in [*(("bf16", kv) for kv in KV_DTYPES), ("int8", "bf16")]:
         for batch in batches:
-            gen = LMGen(model, num_slots=batch, kv_dtype=kv_dtype)
+            gen = LMGen(models[weights], num_slots=batch, kv_dtype=kv_dtype)
             user_codes = torch.zeros(batch, cfg.num_user_codebooks, dtype=torch.long, device="meta")
-            recorder.context = step_context(batch, kv_dtype)
+            recorder.context = step_context(batch, kv_dtype, weights)
             with force_triton():
                 gen.step(torch.arange(batch, device="meta"), user_codes)
-        drive_prefill(recorder, cfg, kv_dtype)
+        drive_prefill(recorder, cfg, kv_dtype, weights)
 
 
-def step_context(batch: int, kv_dtype: str) -> str:
-    return f"LMGen.step B={batch}" + ("" if kv_dtype == "bf16" else f" kv={kv_dtype}")
+def _suffix(kv_dtype: str, weights: str) -> str:
+    return ("" if kv_dtype == "bf16" else f" kv={kv_dtype}") + ("" if weights == "bf16" else f" weights={weights}")
 
 
-def drive_prefill(recorder: Recorder, cfg, kv_dtype: str) -> None:
+def step_context(batch: int, kv_dtype: str, weights: str = "bf16") -> str:
+    return f"LMGen.step B={batch}" + _suffix(kv_dtype, weights)
+
+
+def drive_prefill(recorder: Recorder, cfg, kv_dtype: str, weights: str = "bf16") -> None:
     """`LMGen.prefill` of a PersonaPlex model (`cfg` with dep_q = 16): a whole 200-frame prompt and the first
-    chunk of another in one forward, as the engine plans them."""
+    chunk of another in one forward, as the engine plans them; `weights` "int8": its projections int8."""
     from duplexd.engine.dialogue.lm_gen import LMGen
     from duplexd.engine.persona.prompt import PromptChunk, Voice, build_prompt
-    from duplexd.engine.weights.checkpoint import build_lm
+    from duplexd.engine.weights.checkpoint import build_lm, int8_plan
     from duplexd.kernels.dispatch import force_triton
 
     cfg = dataclasses.replace(cfg, dep_q=cfg.n_q, ring_rule="personaplex")  # its window: context - 1 keys
-    gen = LMGen(build_lm(cfg, device="meta", dtype=torch.bfloat16), num_slots=2, kv_dtype=kv_dtype)
+    model = build_lm(cfg, device="meta", dtype=torch.bfloat16, int8=int8_plan(cfg, set(), weights))
+    gen = LMGen(model, num_slots=2, kv_dtype=kv_dtype)
     voice = Voice("v", None, 50, codes=torch.zeros(50, cfg.agent_codebooks, dtype=torch.long))  # type: ignore[arg-type]
     prompt = build_prompt(cfg, voice, list(range(100, 238)))
-    recorder.context = f"LMGen.prefill {prompt.forwards}+64 rows" + ("" if kv_dtype == "bf16" else f" kv={kv_dtype}")
+    recorder.context = f"LMGen.prefill {prompt.forwards}+64 rows" + _suffix(kv_dtype, weights)
     with force_triton():
         gen.prefill([PromptChunk(0, prompt, 0, prompt.forwards), PromptChunk(1, prompt, 0, 64)])
 
@@ -258,6 +268,7 @@ def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: 
         "sms": sms,
         "batches": list(batches),
         "kv_dtypes": list(KV_DTYPES),
+        "weights_dtypes": list(WEIGHTS_DTYPES),  # int8 weights: with a bf16 pool (`step_context(b, "bf16", "int8")`)
         "layers": layers,
         "kernels": kernels,
         "device_functions": device_functions,
@@ -274,7 +285,7 @@ def engine_variants(report: dict[str, Any]) -> list[dict[str, Any]]:
 def table(report: dict[str, Any]) -> str:
     """Per kernel: errors over all variants; over the engine's variants, their count and the worst registers,
     spills, stack and shared memory."""
-    rows = {}
+    rows: dict[str, dict[str, int]] = {}
     for v in report["variants"]:
         row = rows.setdefault(
             v["kernel"], {"variants": 0, "errors": 0, "registers": 0, "spills": 0, "stack": 0, "shared": 0}

@@ -1,6 +1,7 @@
 """`duplexd capacity` and the pool sizing it shares with the engine: the answer matches what a CPU engine actually
 allocates, the pool's bytes are sessions x the per-window bytes, the issue's H200 figure, `--kv-dtype` reaching
-the engine (and fp8 refused on a GPU below compute capability 8.9), and bad input as one line, exit 2."""
+the engine (and fp8 refused on a GPU below compute capability 8.9), `--weights-dtype int8` (a 24 GB card's dozen
+sessions, the int8 weight bytes counted from the config), and bad input as one line, exit 2."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from duplexd.cli import main
 from duplexd.engine.devices import check_kv_dtype
 from duplexd.engine.dialogue.engine import CUDA_HEADROOM, Engine, EngineConfig
 from duplexd.engine.errors import DeviceError
-from duplexd.engine.models.config import DEMO, DEMO_MIMI, ConfigError
+from duplexd.engine.models.config import DEMO, DEMO_MIMI, MOSHI_7B, ConfigError, LMConfig
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
+from duplexd.engine.weights.checkpoint import quantize_lm_
 from duplexd.engine.weights.demo import random_lm
 from duplexd.server.settings import ServerSettings
 
@@ -44,13 +46,65 @@ def test_moshi_7b_on_an_h200_fits_128_full_windows_in_int8_and_80_in_bf16(capsys
     assert int8["lm_weights"] == pytest.approx(14.32 * GiB, rel=0.01) and int8["cuda_context"] == CUDA_CONTEXT
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
-def test_capacity_agrees_with_what_a_cpu_engine_allocates(kv_dtype):
+def lm_weight_bytes(cfg: LMConfig, float_bytes: int, weights_dtype: str) -> int:
+    """The LM's weight bytes from its config alone: embeddings and norms in the float dtype; each projection
+    (temporal and DepFormer layers, the DepFormer's input projections and audio heads, the text head) in it too,
+    or, int8, a byte per element plus an fp32 absmax and an fp32 scale (8 bytes) per output row."""
+    d, dd, q = cfg.dim, cfg.depformer_dim, cfg.agent_codebooks
+    floats = (cfg.text_card + 1) * d + cfg.n_q * (cfg.card + 1) * d + d  # embeddings, out_norm
+    floats += cfg.num_layers * 2 * d + cfg.depformer_num_layers * 2 * dd  # attention and MLP norms
+    floats += (cfg.text_card + 1) * dd + (q - 1) * (cfg.card + 1) * dd  # the DepFormer's embeddings
+    projections = [  # (weight sets, inputs, outputs)
+        *[(1, d, 3 * d), (1, d, d), (1, d, 2 * cfg.hidden), (1, cfg.hidden, d)] * cfg.num_layers,
+        (1, d, cfg.text_card),
+        (q, d, dd),
+        *[(q, dd, 3 * dd), (q, dd, dd), (q, dd, 2 * cfg.depformer_hidden), (q, cfg.depformer_hidden, dd)]
+        * cfg.depformer_num_layers,
+        (q, dd, cfg.card),
+    ]
+    if weights_dtype == "int8":
+        return floats * float_bytes + sum(n * (i * o + 8 * o) for n, i, o in projections)
+    return (floats + sum(n * i * o for n, i, o in projections)) * float_bytes
+
+
+def test_int8_weights_fit_a_dozen_full_windows_on_a_24_gb_card(capsys):
+    """A 24 GB card (23028 MiB as the driver reports an A10G or L4, the sizing table's figure) with an int8 KV
+    pool: 12 full-window sessions with int8 weights, 3 with bf16 (measured; with 22 GiB: 11 and 2). The int8 LM
+    is 7.47 GiB against 14.32: the codes and per-row scales counted from the config, about half."""
+    args = ("--model", "moshi-7b", "--gpu-memory", "23028MiB", "--kv-dtype", "int8")
+    int8 = _capacity_json(capsys, *args, "--weights-dtype", "int8")
+    bf16 = _capacity_json(capsys, *args, "--weights-dtype", "bf16")
+    assert int8["sessions"] >= 12 and bf16["sessions"] < int8["sessions"]
+    assert (int8["weight_dtype"], bf16["weight_dtype"]) == ("int8", "bfloat16")
+    assert int8["lm_weights"] == lm_weight_bytes(MOSHI_7B, 2, "int8")
+    assert bf16["lm_weights"] == lm_weight_bytes(MOSHI_7B, 2, "bf16")
+    assert 0.45 < int8["lm_weights"] / bf16["lm_weights"] < 0.55
+    assert int8["kv_window"] == bf16["kv_window"] and int8["mimi_weights"] == bf16["mimi_weights"]
+    assert int8["free_for_engine"] - bf16["free_for_engine"] == bf16["lm_weights"] - int8["lm_weights"]
+    gib_22 = _capacity_json(capsys, "--gpu-memory", "22GiB", "--kv-dtype", "int8", "--weights-dtype", "int8")
+    assert gib_22["sessions"] >= 11
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "weights_dtype"),
+    [("bf16", "bf16"), ("int8", "bf16"), ("fp8", "bf16"), ("bf16", "int8"), ("int8", "int8")],
+)
+def test_capacity_agrees_with_what_a_cpu_engine_allocates(kv_dtype, weights_dtype):
     """The demo config (fp32 weights, a CPU engine's dtype) on a made-up 0.4 GiB GPU: an engine with that many
-    slots allocates exactly the pool capacity reports, and its weights are the bytes capacity counted."""
+    slots allocates exactly the pool capacity reports, and its weights are the bytes capacity counted; with int8
+    weights, the quantized model's codes and scales (buffers) are those bytes."""
     mimi = MimiModel(DEMO_MIMI).init_weights_(0)
-    lm = random_lm(DEMO, seed=0)
-    got = capacity("demo", DEMO, "demo", kv_dtype, torch.float32, int(0.4 * GiB) + CUDA_CONTEXT + CUDA_HEADROOM)
+    lm = quantize_lm_(random_lm(DEMO, seed=0), weights_dtype)
+    got = capacity(
+        "demo",
+        DEMO,
+        "demo",
+        kv_dtype,
+        torch.float32,
+        int(0.4 * GiB) + CUDA_CONTEXT + CUDA_HEADROOM,
+        weights_dtype=weights_dtype,
+    )
+    assert got.weight_dtype == {"bf16": "float32", "int8": "int8"}[weights_dtype]
     assert 1 < got.sessions < 1000
     engine = Engine(lm, mimi, config=EngineConfig(max_sessions=got.sessions, kv_dtype=kv_dtype))
     kv = engine.kv
@@ -58,7 +112,8 @@ def test_capacity_agrees_with_what_a_cpu_engine_allocates(kv_dtype):
     assert kv.num_pages == got.kv_pages and kv.nbytes == got.kv_pool == (got.kv_pages + 1) * got.kv_page
     assert kv.nbytes == got.sessions * got.kv_window + got.kv_page  # sessions x one window, and the scratch page
     assert kv.sessions_fit() == got.sessions
-    assert got.lm_weights == sum(p.nbytes for p in lm.parameters())
+    assert got.lm_weights == sum(t.nbytes for t in [*lm.parameters(), *lm.buffers()])
+    assert got.lm_weights == lm_weight_bytes(DEMO, 4, weights_dtype)
     assert got.mimi_streams == MimiStreams.state_bytes(mimi, got.sessions)
 
 

@@ -1,6 +1,7 @@
 """A whole frame step (Mimi encode → temporal step → DepFormer → Mimi decode) makes no host sync and no CPU
-tensor, checked without a GPU: Moshi 7B and the real Mimi on the `meta` device with the Triton path forced
-and its launches made no-ops (a meta tensor has no data, so anything that reads a value back shows up)."""
+tensor, checked without a GPU: Moshi 7B (bf16 weights, and int8 ones through the W8A16 kernel) and the real Mimi on
+the `meta` device with the Triton path forced and its launches made no-ops (a meta tensor has no data, so anything
+that reads a value back shows up)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from duplexd.engine.dialogue.pipeline import Pipeline
 from duplexd.engine.models.config import MIMI_PRESETS, PRESETS
+from duplexd.engine.models.int8_weights import Int8Weight
 from duplexd.engine.models.mimi import MimiModel
-from duplexd.engine.weights.checkpoint import build_lm
+from duplexd.engine.weights.checkpoint import build_lm, int8_plan
 from duplexd.kernels.dispatch import force_triton
 
 from .host_sync import HostWork
@@ -23,12 +25,22 @@ def meta_models():
     return lm, MimiModel(MIMI_PRESETS["mimi"]).to("meta")
 
 
+@pytest.fixture(scope="module")
+def meta_int8_lm():
+    """Moshi 7B as `--weights-dtype int8` loads it: every projection and the text head int8 codes + fp32 scales."""
+    cfg = PRESETS["moshi-7b"]
+    return build_lm(cfg, device="meta", dtype=torch.bfloat16, int8=int8_plan(cfg, set(), "int8"))
+
+
 @pytest.fixture
-def no_launch(monkeypatch):
-    """Triton kernels run as no-ops: the wrappers, their argument handling and the dispatch still run."""
+def no_launch(monkeypatch) -> list[str]:
+    """Triton kernels run as no-ops: the wrappers, their argument handling and the dispatch still run. Returns the
+    names of the kernels launched, in order."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
+    launched: list[str] = []
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: launched.append(self.__name__))
+    return launched
 
 
 def test_host_work_catches_what_it_should():
@@ -45,13 +57,27 @@ def test_host_work_catches_what_it_should():
     assert all("test_frame_host_sync" not in op.where for op in mode.ops)  # only duplexd's own lines are named
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize(
+    ("kv_dtype", "weights"),
+    [
+        pytest.param("bf16", "bf16", id="bf16"),
+        pytest.param("int8", "bf16", id="int8"),
+        pytest.param("fp8", "bf16", id="fp8"),
+        pytest.param("bf16", "int8", id="int8-weights"),
+    ],
+)
 @pytest.mark.parametrize("mode", ["exact-batch", "padded-to-bucket", "graphs-before-capture"])
-def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(meta_models, no_launch, mode, kv_dtype):
+def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(request, meta_models, no_launch, mode, kv_dtype, weights):
     """Also the path of the engine's warm-up on CUDA: graphs on, nothing captured yet (inputs staged on the host
-    go through the padded eager call); and with an 8-bit KV pool, whose scales are device tensors only."""
+    go through the padded eager call); with an 8-bit KV pool, whose scales are device tensors only; and with int8
+    weights, whose codes and scales go to the W8A16 kernel as they are (attribute checks only)."""
+    lm, mimi = meta_models
+    if weights == "int8":
+        lm = request.getfixturevalue("meta_int8_lm")
+        assert isinstance(lm.layers[0].wqkv, Int8Weight) and isinstance(lm.text_head, Int8Weight)
     pipeline = Pipeline(
-        *meta_models,
+        lm,
+        mimi,
         num_slots=6,
         buckets=(1, 2, 4, 6),
         pad=mode != "exact-batch",
@@ -67,8 +93,13 @@ def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(meta_models, no_launch,
     with force_triton(), HostWork() as host:
         out = pipeline.step([0, 2, 3, 5], pcm)
     assert not host.ops, "host work inside the frame step:\n" + "\n".join(map(str, host.ops))
+    # int8 weights: every projection of the temporal step and the DepFormer (each step's 4 per layer, its input
+    # projection and head), and the text head, through the W8A16 kernel; float weights never launch it
+    cfg = lm.cfg
+    projections = 4 * cfg.num_layers + 1 + cfg.agent_codebooks * (4 * cfg.depformer_num_layers + 2)
+    assert no_launch.count("_w8a16_kernel") == (projections if weights == "int8" else 0)
     assert out.valid == [False, True, True, True]  # from the pipeline's own counts, not read back
-    assert out.pcm.shape == (4, pipeline.frame_size) and out.tokens.shape == (4, 1 + meta_models[0].cfg.dep_q)
+    assert out.pcm.shape == (4, pipeline.frame_size) and out.tokens.shape == (4, 1 + cfg.dep_q)
 
 
 def test_the_public_mimi_calls_check_their_arguments_the_frame_calls_do_not(meta_models):

@@ -15,9 +15,10 @@ from safetensors.torch import save_file
 from duplexd.cli import main
 from duplexd.engine.models.config import LMConfig
 from duplexd.engine.models.tokenizer import TextTokenizer, train_tokenizer
+from duplexd.engine.weights.checkpoint import read_lm_config
 from duplexd.infer import read_audio
 
-from .ref_models import fused_state_dict, reference_lm, reference_mimi
+from .ref_models import fused_state_dict, quantized_reference, reference_lm, reference_mimi
 
 FRAME = 1920
 
@@ -139,3 +140,36 @@ def test_infer_on_the_demo_model(tmp_path):
     assert main(["infer", str(tmp_path / "in.wav"), str(tmp_path / "out.wav")]) == 0
     out, rate = sf.read(tmp_path / "out.wav")
     assert rate == 24000 and len(out) == (7 - 1) * FRAME and np.abs(out).max() > 0
+
+
+def test_infer_on_a_q8_checkpoint_matches_the_reference_on_the_dequantized_weights(checkpoint, tmp_path):
+    """A Kyutai-style q8 folder (moshi's own `QLinear` quantization, fused naming, `"quantize": true`): greedy
+    tokens frame by frame equal the reference's on the dequantized weights (fp32), as `--weights-dtype int8` on
+    the float checkpoint gives them too."""
+    root, lm, mimi = checkpoint
+    q8, dequantized = quantized_reference(lm)
+    folder = tmp_path / "q8"
+    folder.mkdir()
+    cfg = read_lm_config(root / "config.json")
+    save_file(fused_state_dict(q8, cfg), str(folder / "model.q8.safetensors"))
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads((root / "config.json").read_text()), "quantize": True})
+    )
+    wav_in = tmp_path / "in.wav"
+    sf.write(wav_in, speech_like(1.5, 24000, seed=2)[:, 0], 24000)
+    rows, _ = reference_run(dequantized, mimi, read_audio(wav_in, 24000, FRAME))
+    common = ["--mimi-weight", str(root / "mimi.safetensors"), "--tokenizer", str(root / "tok.model")]
+    common += ["--temp", "0", "--temp-text", "0"]
+    runs = {
+        "q8": ["--moshi-weight", str(folder / "model.q8.safetensors"), "--config", str(folder / "config.json")],
+        "int8": ["--moshi-weight", str(root / "lm.safetensors"), "--config", str(root / "config.json")]
+        + ["--weights-dtype", "int8"],
+    }
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        assert (
+            main(["infer", str(wav_in), str(tmp_path / f"{name}.wav"), *common, *extra, "--tokens-out", str(out)]) == 0
+        )
+        ours = [json.loads(line) for line in out.read_text().splitlines()]
+        assert ours == rows, name
+    assert len({tuple(r["audio"]) for r in rows}) > 10

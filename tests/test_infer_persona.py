@@ -24,7 +24,7 @@ from duplexd.infer import read_audio
 
 from .personaplex_files import PP_SMALL, write_personaplex
 from .personaplex_ref import Oracle, ReferenceSession, preset_from_codes
-from .ref_models import reference_mimi
+from .ref_models import quantized_reference, reference_mimi
 from .test_infer import FRAME, speech_like
 
 # A real tokenizer's vocabulary; a 96-frame window, which the prompt (82-85 frames) and 2.5 s of input overrun.
@@ -130,6 +130,18 @@ def test_audio_voice_matches_the_reference_rules(files, tmp_path):
     codes = load_audio_voice(root / "voice.wav", mimi, load_lm(files[1]).cfg).codes  # checked in test_voices
     assert codes is not None and len(codes) == 8  # 0.6 s at 12.5 Hz, rounded up
     _check(_infer(files, tmp_path, ROLE, "voice.wav"), _expected(files, ROLE, codes=codes.tolist()))
+
+
+def test_int8_weights_match_the_reference_rules_on_the_dequantized_weights(files, tmp_path):
+    """PersonaPlex has no q8 checkpoint: `--weights-dtype int8` quantizes it as it loads, by moshi's recipe."""
+    root, weights, ref_lm, ref_mimi = files
+    _, dequantized = quantized_reference(ref_lm)
+    state = torch.load(root / "voice.pt", weights_only=True)
+    preset = (state["embeddings"][:, 0], len(VOICE_CODES), state["cache"][0].tolist())
+    args = _args(root, weights, tmp_path, "--text-prompt", ROLE, "--voice-prompt", str(root / "voice.pt"))
+    assert main([*args, "--weights-dtype", "int8"]) == 0
+    ours = [json.loads(line) for line in (tmp_path / "tokens.jsonl").read_text().splitlines()]
+    _check(ours, _expected((root, weights, dequantized, ref_mimi), ROLE, preset=preset))
 
 
 def test_one_prompt_word_changes_the_output(files, tmp_path):

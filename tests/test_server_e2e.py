@@ -31,7 +31,9 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ORIGIN = "http://allowed.example"
 MAX_MESSAGE = 65536
-IDLE = 5.0  # long enough that a loaded CI machine never idles out a test session by accident (3 s did, twice)
+# Long enough that a loaded machine never idles out a test session by accident: a client that has sent its frames
+# waits for the answers without a message of its own (3 s did, twice; 5 s did with two suites on 2 cores).
+IDLE = 10.0
 SERVER_ARGS = [
     "--max-sessions",
     "4",
@@ -160,7 +162,7 @@ async def kyutai_exchange(ws, frames: int, pace: float = 0.0) -> tuple[np.ndarra
         elif msg[0] == 2:
             texts.append(msg[1:].decode("utf-8"))
         else:
-            raise AssertionError(f"unexpected kind {msg[0]}")
+            raise AssertionError(f"unexpected kind {msg[0]}: {msg[1:200]!r}")
     await sender
     return np.concatenate(pcm), texts, messages
 

@@ -2,8 +2,9 @@
 
 The other kernel tests run Triton's interpreter, which never specialises an argument, so a kernel that breaks
 when an int argument is 1 (and becomes a compile-time constant) passes them all. tests/sm90_compile.py compiles
-what `LMGen.step` and a PersonaPlex `LMGen.prefill` launch on the `meta` device for sm_90a, front end and ptxas,
-with no GPU; it runs in a subprocess because the kernels must be decorated without TRITON_INTERPRET.
+what `LMGen.step` and a PersonaPlex `LMGen.prefill` launch on the `meta` device for sm_90a (bf16 weights with each
+KV format, and int8 weights), front end and ptxas, with no GPU; it runs in a subprocess because the kernels must
+be decorated without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.sm90_compile import engine_variants, step_context
+from tests.sm90_compile import ONES, engine_variants, step_context
 
 HELPER = Path(__file__).with_name("sm90_compile.py")
 
@@ -82,3 +83,21 @@ def test_every_kv_dtype_compiles_its_own_variants(report):
             }
             want = {step_context(b, kv) for b in report["batches"]}
             assert want <= seen and any("prefill" in c for c in seen), (kernel, kv, sorted(seen))
+
+
+def test_int8_weights_compile_the_w8a16_kernel_at_every_batch_without_spills(report):
+    """With int8 weights every projection runs through `_w8a16_kernel` (int8 codes, fp32 scales, bf16
+    activations): compiled at every batch the step runs and in the prefill, spilling nothing; bf16 weights never
+    launch it."""
+    assert report["weights_dtypes"] == ["bf16", "int8"]
+    variants = [v for v in engine_variants(report) if v["kernel"] == "_w8a16_kernel"]
+    for v in variants:
+        sig = v["signature"].split()
+        assert {"x_ptr:*bf16/16", "w_ptr:*i8/16", "s_ptr:*fp32/16", "y_ptr:*bf16/16"} <= set(sig), _describe(v)
+        assert not v["error"], f"{_describe(v)}:\n{v['error']}"
+        assert v["spill_stores"] + v["spill_loads"] == 0, f"{_describe(v)}: spills\n{report['table']}"
+    seen = {c for v in variants for c in v["contexts"] if c != ONES}
+    want = {step_context(b, "bf16", "int8") for b in report["batches"]}
+    assert want <= seen, sorted(seen)
+    assert any(c.startswith("LMGen.prefill") for c in seen), sorted(seen)
+    assert all(c.endswith("weights=int8") for c in seen), sorted(seen)

@@ -27,7 +27,7 @@ from duplexd.engine.persona.prompt import PersonaPrompt
 from duplexd.engine.persona.voices import VoiceLibrary
 from duplexd.engine.transcription.service import TranscriptionConfig, TranscriptionService
 from duplexd.engine.transcription.transcriber import Transcriber, model_folder
-from duplexd.engine.weights.checkpoint import build_lm, load_lm, load_mimi
+from duplexd.engine.weights.checkpoint import build_lm, load_lm, load_mimi, quantize_lm_
 from duplexd.engine.weights.demo import draw_random_, ensure_demo
 from duplexd.engine.weights.hub import resolve_file
 from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
@@ -76,9 +76,12 @@ def weight_dtype(settings: ServerSettings, device: str) -> torch.dtype:
     return DTYPES[settings.dtype]
 
 
-def random_models(preset: str, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[LMModel, MimiModel]:
-    """The preset's LM in `dtype` and its Mimi in fp32, random weights drawn on the device (`draw_random_`)."""
-    lm = draw_random_(build_lm(PRESETS[preset], device=device, dtype=dtype), seed)
+def random_models(
+    preset: str, device: str, dtype: torch.dtype, seed: int = 0, weights_dtype: str | None = None
+) -> tuple[LMModel, MimiModel]:
+    """The preset's LM in `dtype` (its projections int8 with `weights_dtype` "int8") and its Mimi in fp32, random
+    weights drawn on the device (`draw_random_`)."""
+    lm = quantize_lm_(draw_random_(build_lm(PRESETS[preset], device=device, dtype=dtype), seed), weights_dtype)
     mimi = MimiModel(MIMI_PRESETS[RANDOM_WEIGHTS_MIMI[preset]]).init_weights_(seed).to(device)
     return lm, mimi
 
@@ -267,11 +270,13 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         dtype = weight_dtype(settings, device)
         if preset is not None:
             logger.info("%s: drawing random weights for the %s LM (%s) and Mimi", step, preset, dtype)
-            lm, mimi = random_models(preset, device, dtype, seed=index)
+            lm, mimi = random_models(preset, device, dtype, seed=index, weights_dtype=settings.weights_dtype)
         else:
             logger.info("%s: loading the LM from %s", step, files.moshi)
             try:
-                lm = load_lm(files.moshi, files.config, device=device, dtype=dtype)
+                lm = load_lm(
+                    files.moshi, files.config, device=device, dtype=dtype, weights_dtype=settings.weights_dtype
+                )
             except CheckpointError as e:
                 raise CheckpointError(str(e), e.option or "moshi_weight") from None
             logger.info("%s: loading Mimi from %s", step, files.mimi)

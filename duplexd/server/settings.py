@@ -87,6 +87,13 @@ class ServerSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "LM weight dtype (auto: bfloat16 on CUDA, float32 on CPU)", _MODEL
     )
+    weights_dtype: Literal["bf16", "int8"] | None = opt(
+        None,
+        "LM projections: int8 (codes with an fp32 scale per output channel, half the weight memory; quantized as "
+        "they load) or bf16 (the weights' dtype; a q8 checkpoint is dequantized); default: as the checkpoint "
+        "stores them",
+        _MODEL,
+    )
     cuda_graphs: bool = opt(True, "run CUDA steps eagerly, not as captured graphs", _MODEL, flag="--no-cuda-graphs")
     max_sessions: int = opt(4, "session slots per device", _CAP, ge=1)
     kv_memory: Annotated[ByteSize, Field(gt=0)] | None = opt(

@@ -2,9 +2,10 @@
 
 Plain PyTorch in the spirit of gpt-fast: weights are stored in the layout the step wants (fused QKV, the
 DepFormer's per-step weights stacked along a leading step axis, all audio embeddings in one table), so a frame
-is a handful of matmuls. Projection weights are stored as [in, out] (`x @ w`): for the single-row matmuls of a
-decode step this is 1.3-1.7x faster on CPU BLAS than torch's [out, in] `F.linear`, and batches of rows go
-through `kernels.cpu_matmul` (see docs/BENCHMARKS.md).
+is a handful of matmuls. Float projection weights are stored as [in, out] (`x @ w`): for the single-row matmuls of
+a decode step this is 1.3-1.7x faster on CPU BLAS than torch's [out, in] `F.linear`, and batches of rows go
+through `kernels.cpu_matmul` (see docs/BENCHMARKS.md). Any projection may instead be an int8 weight
+(`int8_weights.Int8Weight`, `--weights-dtype int8`); `project` runs either.
 `engine.checkpoint` maps the reference's key namings onto these parameters.
 
 The ops come from `duplexd.kernels` (Triton on CUDA, the torch references on CPU). Every residual add is fused
@@ -23,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duplexd.kernels.cpu_matmul import matmul
 from duplexd.kernels.rms_norm import add_rms_norm, rms_norm
 from duplexd.kernels.rope import rope_angles, rope_qk
 from duplexd.kernels.silu_gate import silu_gate
 
 from ..kv.paged import PagedBatch, PagedKVCache
 from .config import LMConfig
+from .int8_weights import Weight, project
 
 NORM_EPS = 1e-8
 
@@ -65,9 +66,9 @@ class DepformerLayer(nn.Module):
         self.w_out = _param(steps, hidden, dim)
 
 
-def gated_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, w_in: Weight, w_out: Weight) -> torch.Tensor:
     """`(silu(gate) * value) @ w_out`; the outputs of `w_in` are [gate | value] as in the reference."""
-    return matmul(silu_gate(matmul(x, w_in)), w_out)
+    return project(silu_gate(project(x, w_in)), w_out)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -144,7 +145,7 @@ class LMModel(nn.Module):
         """`forward_text` from the summed input embeddings x [B, dim]: a PersonaPlex voice preset stores its
         prompt's first frames as such sums, not as tokens."""
         h = self.temporal(x, positions, cache, view)
-        return h, matmul(h, self.text_head)
+        return h, project(h, self.text_head)
 
     def temporal(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch) -> torch.Tensor:
         """The temporal transformer over input embeddings x [B, dim], each row's key and value stored in the cache:
@@ -156,10 +157,10 @@ class LMModel(nn.Module):
         last = len(layers) - 1
         h = rms_norm(x, layers[0].attn_norm, NORM_EPS)
         for i, layer in enumerate(layers):
-            qkv = matmul(h, layer.wqkv).view(-1, 3, heads, dh)
+            qkv = project(h, layer.wqkv).view(-1, 3, heads, dh)
             q, k = rope_qk(qkv[:, 0], qkv[:, 1], cos, sin)
             attn = cache.attend(i, view, q, k, qkv[:, 2])
-            h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
+            h, x = add_rms_norm(project(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
             next_norm = layers[i + 1].attn_norm if i < last else self.out_norm
             h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
         return h
@@ -179,18 +180,18 @@ class LMModel(nn.Module):
         dep_layers = cast(Sequence[DepformerLayer], self.dep_layers)
         last = len(dep_layers) - 1
         for step in range(q):
-            h, x = add_rms_norm(matmul(hidden, self.dep_in[step]), prev, dep_layers[0].attn_norm, NORM_EPS)
+            h, x = add_rms_norm(project(hidden, self.dep_in[step]), prev, dep_layers[0].attn_norm, NORM_EPS)
             for i, layer in enumerate(dep_layers):
-                qkv = matmul(h, layer.wqkv[step]).view(batch, 3, heads, dh)
+                qkv = project(h, layer.wqkv[step]).view(batch, 3, heads, dh)
                 kv[i, :, :, :, step] = qkv[:, 1:].transpose(0, 1)
                 attn = attend(qkv[:, 0], kv[i, 0, :, :, : step + 1], kv[i, 1, :, :, : step + 1])
-                h, x = add_rms_norm(matmul(attn.flatten(1), layer.wo[step]), x, layer.mlp_norm, NORM_EPS)
+                h, x = add_rms_norm(project(attn.flatten(1), layer.wo[step]), x, layer.mlp_norm, NORM_EPS)
                 update = gated_mlp(h, layer.w_in[step], layer.w_out[step])
                 if i < last:
                     h, x = add_rms_norm(update, x, dep_layers[i + 1].attn_norm, NORM_EPS)
                 else:
                     x = x + update
-            logits = matmul(x, self.dep_heads[step])
+            logits = project(x, self.dep_heads[step])
             token = sample(step, logits)
             tokens.append(token)
             if want_logits:

@@ -5,6 +5,10 @@ DepFormer step) or fused (`self_attn.in_proj_weight`, the DepFormer's steps stac
 duplexd's parameters through one table of `KeyMap` rows; the same table writes checkpoints in reference naming.
 Tensors are read one at a time through safetensors' mmap and copied into preallocated parameters, so peak
 memory stays near the size of the weights.
+
+Kyutai's q8 files store every projection as int8 codes (`…weight`) plus an fp32 row absmax (`…weight_scb`); a
+projection can also be quantized as it is read from a float file (`--weights-dtype int8`), by the same recipe, so
+both routes give the same int8 tensors (`models.int8_weights`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..models.config import MIMI, MOSHI_7B, ConfigError, LMConfig, MimiConfig
+from ..models.int8_weights import (
+    WEIGHT_DTYPES,
+    Int8Weight,
+    dequantize_,
+    int8_layout_,
+    int8_names,
+    quantizable,
+    quantize_,
+    quantize_rows,
+)
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel, reference_keys
 from .config_file import lm_config_from_dict
@@ -42,7 +56,9 @@ class KeyMap:
 
     Projection weights are [out, in] in the checkpoint and [in, out] in duplexd (`transposed`). `param` None: the
     tensor is checked but not loaded (PersonaPlex's DepFormer steps for the user's codebooks); `lead`: only the
-    tensor's first `lead` rows are loaded (the agent's steps of a fused DepFormer projection).
+    tensor's first `lead` rows are loaded (the agent's steps of a fused DepFormer projection). `dtype`: the
+    safetensors dtype the file must hold (q8 codes and scales), `FLOAT` for any float, None unchecked.
+    `quantize`: a float projection read into the int8 weight `param` (its `.codes` and `.absmax`).
     """
 
     key: str
@@ -51,6 +67,11 @@ class KeyMap:
     index: int | None = None
     transposed: bool = False
     lead: int | None = None
+    dtype: str | None = None
+    quantize: bool = False
+
+
+FLOAT = "float"
 
 
 def _linear(key: str, shape: tuple[int, int], param: str | None, index: int | None = None) -> KeyMap:
@@ -145,12 +166,28 @@ def depformer_sets(keys: set[str] | list[str]) -> int:
 _SET_KEY = re.compile(r"(linears|depformer_in)\.(\d+)\.weight")
 
 
-def _target(params: dict[str, torch.Tensor], row: KeyMap) -> torch.Tensor:
+def _target(params: dict[str, torch.Tensor], row: KeyMap, param: str | None = None) -> torch.Tensor:
     """The parameter slice a checkpoint tensor fills, as a view in the checkpoint's orientation."""
-    assert row.param is not None
-    p = params[row.param]
+    name = param or row.param
+    assert name is not None
+    p = params[name]
     p = p if row.index is None else p[row.index]
     return p.transpose(-1, -2) if row.transposed else p
+
+
+def _store(tensors: dict[str, torch.Tensor], row: KeyMap, tensor: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into its place; a `quantize` row is quantized on the target's device first."""
+    if row.lead is not None:
+        tensor = tensor[: row.lead]
+    if not row.quantize:
+        target = _target(tensors, row)
+        target.copy_(tensor.view(target.shape))
+        return
+    codes_at = _target(tensors, row, f"{row.param}.codes")
+    absmax_at = _target(tensors, row, f"{row.param}.absmax")
+    codes, absmax = quantize_rows(tensor.to(codes_at.device))
+    codes_at.copy_(codes.view(codes_at.shape))
+    absmax_at.copy_(absmax.view(absmax_at.shape))
 
 
 def _normalise(key: str) -> str:
@@ -195,11 +232,19 @@ def load_mapped(
         if unexpected:
             raise CheckpointError(f"{path}: {len(unexpected)} unexpected {what}key(s): {_few(unexpected)}")
         for key, row in expected.items():
-            shape = tuple(f.get_slice(original[key]).get_shape())
+            info = f.get_slice(original[key])
+            shape = tuple(info.get_shape())
             if shape != row.shape:
                 raise CheckpointError(
                     f"{path}: shape mismatch for {key}: expected {list(row.shape)}, got {list(shape)}"
                 )
+            dtype = info.get_dtype()
+            if row.dtype == FLOAT and dtype not in _FLOATS:
+                raise CheckpointError(
+                    f"{path}: {key} is {dtype}, expected a float tensor (or a q8 pair with {key}_scb)"
+                )
+            if row.dtype not in (None, FLOAT) and dtype != row.dtype:
+                raise CheckpointError(f"{path}: {key} is {dtype}, a q8 file holds it as {row.dtype}")
         for key, row in expected.items():
             if row.param is None:
                 continue
@@ -207,9 +252,11 @@ def load_mapped(
                 tensor = f.get_tensor(original[key])
             except SafetensorError as e:
                 raise CheckpointError(f"{path}: cannot read {key} (truncated or corrupt file?): {e}") from None
-            target = _target(tensors, row)
-            target.copy_((tensor if row.lead is None else tensor[: row.lead]).view(target.shape))
+            _store(tensors, row, tensor)
     return naming
+
+
+_FLOATS = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 def save_mapped(tensors: dict[str, torch.Tensor], rows: list[KeyMap], path: str | Path) -> None:
@@ -253,23 +300,115 @@ def checked_sets(cfg: LMConfig, path: Path, keys: set[str]) -> int:
     raise CheckpointError(f"{path} holds {sets} DepFormer weight sets (linears.k heads), the config expects {expected}")
 
 
+def _lm_rows(cfg: LMConfig, naming: str, sets: int, int8: set[str], q8_keys: set[str]) -> list[KeyMap]:
+    """The key map for a model whose projections `int8` are int8 weights, from a file whose `q8_keys` are stored
+    as q8 pairs (codes + `_scb`): such a pair fills `.codes` and `.absmax`; a float projection of the file is
+    quantized into an int8 weight as it is read."""
+    rows = []
+    for row in key_map(cfg, naming, sets):
+        if row.key in q8_keys:
+            codes = row.param and f"{row.param}.codes"
+            absmax = row.param and f"{row.param}.absmax"
+            rows += [
+                dataclasses.replace(row, param=codes, transposed=False, dtype="I8"),
+                dataclasses.replace(
+                    row, key=f"{row.key}_scb", shape=row.shape[:1], param=absmax, transposed=False, dtype="F32"
+                ),
+            ]
+        else:
+            quantize = row.param in int8  # read as float, stored as codes [out, in]: the file's orientation
+            rows.append(
+                dataclasses.replace(row, dtype=FLOAT, quantize=quantize, transposed=row.transposed and not quantize)
+            )
+    return rows
+
+
+def _q8_keys(keys: set[str]) -> set[str]:
+    return {_normalise(k.removesuffix("_scb")) for k in keys if k.endswith("_scb")}
+
+
+def _lm_tensors(model: LMModel) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
 def load_lm_weights(model: LMModel, path: Path) -> str:
-    """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`."""
-    sets = checked_sets(model.cfg, path, _header_keys(path))
-    return load_mapped(dict(model.named_parameters()), path, lambda naming: key_map(model.cfg, naming, sets))
+    """Fill `model` from the safetensors file at `path`; returns the naming found. Raises `CheckpointError`.
+
+    The model's int8 weights are read from the file's q8 pairs, or quantized from its float projections; a q8
+    pair must land in an int8 weight (`stored_int8` tells which projections a file holds as int8)."""
+    keys = _header_keys(path)
+    sets = checked_sets(model.cfg, path, keys)
+    int8, q8 = int8_names(model), _q8_keys(keys)
+    tensors = _lm_tensors(model)
+
+    def rows_for(naming: str) -> list[KeyMap]:
+        rows = _lm_rows(model.cfg, naming, sets, int8, q8)
+        floats = [r.key for r in rows if r.key in q8 and r.param is not None and r.param.rpartition(".")[0] not in int8]
+        if floats:
+            raise CheckpointError(f"{path}: {_few(floats)} stored as int8 but loaded as float")
+        return rows
+
+    naming = load_mapped(tensors, path, rows_for)
+    for name in int8:
+        weight = model.get_submodule(name)
+        assert isinstance(weight, Int8Weight)
+        weight.set_from_absmax_()
+    return naming
+
+
+def stored_int8(cfg: LMConfig, path: Path) -> set[str]:
+    """The duplexd parameters that the file at `path` holds as q8 pairs (int8 codes + fp32 `_scb`)."""
+    keys = _header_keys(path)
+    q8 = _q8_keys(keys)
+    rows = key_map(cfg, detect_naming({_normalise(k) for k in keys}), depformer_sets(keys) or cfg.dep_q)
+    return {row.param for row in rows if row.key in q8 and row.param is not None}
 
 
 def save_lm_weights(model: LMModel, path: str | Path, naming: str = "fused") -> None:
-    """Write `model` as a reference-format LM checkpoint (loadable by `moshi` and by duplexd). A PersonaPlex
-    model is written with the agent's DepFormer sets only, the ones it holds."""
-    save_mapped(dict(model.named_parameters()), key_map(model.cfg, naming, model.cfg.agent_codebooks), path)
+    """Write `model` as a reference-format LM checkpoint (loadable by `moshi` and by duplexd); its int8 weights
+    as q8 pairs, as Kyutai's q8 files hold them. A PersonaPlex model is written with the agent's DepFormer sets
+    only, the ones it holds."""
+    cfg, int8 = model.cfg, int8_names(model)
+    rows = key_map(cfg, naming, cfg.agent_codebooks)
+    q8 = {row.key for row in rows if row.param in int8}
+    save_mapped(_lm_tensors(model), _lm_rows(cfg, naming, cfg.agent_codebooks, set(), q8), path)
 
 
-def build_lm(cfg: LMConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LMModel:
-    """An uninitialised model allocated directly in `dtype` on `device` (no fp32 detour)."""
+def int8_plan(cfg: LMConfig, stored: set[str], weights_dtype: str | None, text_head: bool = True) -> set[str]:
+    """The projections to hold as int8: as the file stores them (`weights_dtype` None), none ("bf16": the
+    model's float dtype) or every quantizable one ("int8"; the text head if `text_head`)."""
+    if weights_dtype is None:
+        return set(stored)
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"weights_dtype {weights_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+    if weights_dtype == "bf16":
+        return set()
+    with torch.device("meta"):
+        names = [n for n, _ in LMModel(cfg).named_parameters()]
+    return set(quantizable(names, text_head))
+
+
+def quantize_lm_(model: LMModel, weights_dtype: str | None, text_head: bool = True) -> LMModel:
+    """`model` with its float projections quantized in place when `weights_dtype` is "int8" (random weights, or a
+    model built in memory); otherwise unchanged."""
+    wanted = int8_plan(model.cfg, int8_names(model), weights_dtype, text_head)
+    quantize_(model, sorted(wanted - int8_names(model)))
+    return model
+
+
+def build_lm(
+    cfg: LMConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    int8: set[str] | frozenset[str] = frozenset(),
+) -> LMModel:
+    """An uninitialised model allocated directly in `dtype` on `device` (no fp32 detour), the projections
+    `int8` as int8 weights."""
     with torch.device("meta"):
         model = LMModel(cfg)
-    return model.to(dtype).to_empty(device=device).eval()
+    model = model.to(dtype)
+    int8_layout_(model, sorted(int8))
+    return model.to_empty(device=device).eval()
 
 
 def _read_config_json(path: str | Path) -> dict[str, Any]:
@@ -340,22 +479,55 @@ def checkpoint_ring_rule(cfg: LMConfig) -> LMConfig:
     return cfg if cfg.ring_rule == rule else dataclasses.replace(cfg, ring_rule=rule)
 
 
+def lm_file_name(ref: str | Path) -> str:
+    """The LM file a folder or hub repo `ref` holds: the one its config.json names (`moshi_name`, as moshi reads
+    it: Kyutai's q8 repos hold `model.q8.safetensors`), else `model.safetensors`."""
+    text = str(ref).removeprefix("file://")
+    config: Path | None = Path(text).expanduser() / CONFIG_NAME
+    if not Path(text).expanduser().is_dir():
+        config = None
+        if (repo := hub_repo(text)) is not None and text == repo:
+            try:
+                config = hub_file(repo, CONFIG_NAME)
+            except CheckpointError:
+                config = None
+    if config is None or not config.is_file():
+        return MOSHI_NAME
+    name = _read_config_json(config).get("moshi_name")
+    return name if isinstance(name, str) and name and "/" not in name else MOSHI_NAME
+
+
 def load_lm(
     weights: str | Path,
     config: LMConfig | str | Path | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    weights_dtype: str | None = None,
+    int8_text_head: bool = True,
 ) -> LMModel:
     """Load an LM from a local file or folder, `hf://org/repo/file`, or a Hugging Face repo id.
 
     The configuration is `config` if given (an `LMConfig` or a reference `config.json`), else the
-    `config.json` beside the weights, else Moshi 7B (as the reference does).
+    `config.json` beside the weights, else Moshi 7B (as the reference does). `weights_dtype`: "int8" quantizes
+    the projections as they are read (a q8 file's are int8 already), "bf16" keeps them in `dtype` (a q8 file's
+    are dequantized), None takes the file's own format (`int8_plan`).
     """
-    path = resolve_file(weights, MOSHI_NAME)
+    path = resolve_file(weights, lm_file_name(weights))
     cfg = lm_config_for(path, config, str(weights))
-    model = build_lm(cfg, device, dtype)
+    stored = stored_int8(cfg, path)
+    wanted = int8_plan(cfg, stored, weights_dtype, int8_text_head)
+    model = build_lm(cfg, device, dtype, int8=stored | wanted)
     naming = load_lm_weights(model, path)
-    logger.info("loaded LM from %s (%s naming, %d layers, dim %d)", path, naming, cfg.num_layers, cfg.dim)
+    dequantize_(model, sorted(stored - wanted), dtype)
+    logger.info(
+        "loaded LM from %s (%s naming%s, %d layers, dim %d, %d of its projections int8)",
+        path,
+        naming,
+        ", q8" if stored else "",
+        cfg.num_layers,
+        cfg.dim,
+        len(wanted),
+    )
     return model
 
 

@@ -30,11 +30,11 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
     "fuser": None,
     "lora": False,
     "text_card_out": None,
-    "quantize": False,
 }
 # Dropped as the reference drops them: files, generation defaults and metadata (`from_hf_repo`), `depformer_causal`
 # and the LoRA sizes (`get_moshi_lm`), `depformer_context` (the reference overrides it with None), the extra heads'
-# width when there are none, and training-only switches.
+# width when there are none, and training-only switches. `quantize` (Kyutai's q8 files say true) is read from the
+# weights themselves: the loader finds their int8 codes and `_scb` scales.
 IGNORED = frozenset(
     {
         "moshi_name",
@@ -54,6 +54,7 @@ IGNORED = frozenset(
         "depformer_kv_repeat",
         "extra_heads_dim",
         "gradient_checkpointing",
+        "quantize",
     }
 )
 RENAMED = {"demux_second_stream": "demux_second_text_stream"}
@@ -70,7 +71,6 @@ _FAMILY_OF_KEY = {
     "kv_repeat": "Hibiki-Zero",
     "positional_embedding": "Hibiki-Zero",
     "lora": "LoRA fine-tunes (fuse the adapter into the weights first)",
-    "quantize": "Kyutai's 8-bit q8 checkpoints",
 }
 _FAMILY_OF_TYPE = {"stt": "Kyutai STT", "tts": "Kyutai TTS"}
 

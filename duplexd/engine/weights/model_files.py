@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import CheckpointError
 from ..models.config import LMConfig
 from ..models.tokenizer import TextTokenizer
-from .checkpoint import CONFIG_NAME, MIMI_NAME, MOSHI_NAME, lm_config_for
+from .checkpoint import CONFIG_NAME, MIMI_NAME, lm_config_for, lm_file_name
 from .demo import ensure_demo
 from .hub import hub_repo, resolve_file
 
@@ -53,7 +53,7 @@ def model_files(
     if hf_repo:
         repo = f"hf://{hf_repo}"
         return ModelFiles(
-            moshi_weight or f"{repo}/{MOSHI_NAME}",
+            moshi_weight or f"{repo}/{lm_file_name(hf_repo)}",  # its config.json may name the file
             mimi_weight or f"{repo}/{MIMI_NAME}",
             tokenizer or f"{repo}/{TOKENIZER_NAME}",
             config,
@@ -106,7 +106,7 @@ def check_tokenizer(tokenizer: TextTokenizer, cfg: LMConfig, path: str | Path) -
 
 def check_lm_files(ref: str, config: str | None, option: str = "moshi_weight") -> LMConfig:
     """The LM weights' header and its configuration checked; returns the configuration they will load with."""
-    path = local_file(ref, MOSHI_NAME, option)
+    path = local_file(ref, lm_file_name(ref), option)
     _check_safetensors(path, ref, option)
     config_path = config and str(local_file(config, CONFIG_NAME, "config"))
     try:
@@ -132,7 +132,8 @@ def check_model_files(files: ModelFiles) -> LMConfig:
     def option(ref: str, name: str, own: str) -> str:
         return "hf_repo" if files.hf_repo and ref == f"hf://{files.hf_repo}/{name}" else own
 
-    cfg = check_lm_files(files.moshi, files.config, option(files.moshi, MOSHI_NAME, "moshi_weight"))
+    lm_option = option(files.moshi, lm_file_name(files.hf_repo) if files.hf_repo else "", "moshi_weight")
+    cfg = check_lm_files(files.moshi, files.config, lm_option)
     mimi_option = option(files.mimi, MIMI_NAME, "mimi_weight")
     _check_safetensors(local_file(files.mimi, MIMI_NAME, mimi_option), files.mimi, mimi_option)
     check_tokenizer_file(files.tokenizer, cfg, option(files.tokenizer, TOKENIZER_NAME, "tokenizer"))
