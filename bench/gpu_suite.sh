@@ -14,7 +14,12 @@
 #   5. the 8-bit KV cache (bench/kv_dtype.py: sessions that fit at bf16 and int8, the Triton store against the
 #      torch reference for int8 and fp8, teacher-forced text-logit agreement of int8 against bf16 KV over 3100
 #      frames, p50/p99 step at 1, 64 and 128 sessions in full windows for each), in what is left of the budget;
-#   6. summary.md with every table; the short summary is printed last.
+#   6. 8-bit weights (bench/weights_dtype.py: the W8A16 kernel against bf16 `x @ w` and a copy of the codes at
+#      Moshi 7B's decode shapes, M 1 8 64, checked against the torch reference; p50/p99 step at 1, 8 and 64 sessions
+#      in full windows with bf16 and int8 weights and their ratio, goal <= 0.75 at batch 1; teacher-forced text and
+#      first-codebook logit agreement of int8 weights, text head int8 and float, against bf16), in what is left;
+#   7. summary.md with every table (stage 6's tables are in weights_dtype.log and printed after it); the short
+#      summary is printed last.
 # Everything goes into one folder: $OUT if set, else bench/out/gpu-<date>. Each stage runs under its own timeout,
 # and all of them under SUITE_BUDGET seconds (default 560), so one stage hanging cannot eat the rest. The exit
 # status is that of the first stage that failed (0 when all passed).
@@ -22,7 +27,8 @@
 # GPU_SUITE_DRY=1 runs the same stages on the CPU with the demo preset and tiny durations (a check of this script).
 # Other knobs: PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3), WHEELS (default .whl),
 # SITE (default /tmp/duplexd-site), DEVICE, LOAD_SECONDS, CAPACITY_ARGS (replaces the sweep's arguments),
-# PREFILL_ARGS (replaces the prompt prefill bench's arguments), KV_ARGS (replaces the 8-bit KV bench's arguments).
+# PREFILL_ARGS (replaces the prompt prefill bench's arguments), KV_ARGS (replaces the 8-bit KV bench's arguments),
+# W8_ARGS (replaces the 8-bit weights bench's arguments).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -47,7 +53,9 @@ if [ "$DRY" = 1 ]; then
   DEFAULT_CAPACITY="--preset demo --device $DEVICE --batches 1 2 4 --steps 20 --max-sessions 4 --granularity 1 --budget-ms 1000"
   DEFAULT_PREFILL="--preset demo --device $DEVICE --quick --threads 1 --no-reference"
   DEFAULT_KV="--preset demo --device $DEVICE --frames 200 --rows 2 --batches 1 2 --steps 5"
-  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_PREFILL=60 T_READY=60 T_KV=60
+  DEFAULT_W8="--preset demo --device $DEVICE --stages kernel steps agreement --frames 40 --rows 2 --batches 1 2
+    --steps 5 --repeats 5"
+  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_PREFILL=60 T_READY=60 T_KV=60 T_W8=60
 else
   PRESET=moshi-7b DEVICE=${DEVICE:-cuda:0} LOAD_SECONDS=${LOAD_SECONDS:-45}
   DEFAULT_CAPACITY="--preset moshi-7b --device $DEVICE --batches 1 8 32 48 64 72 80 --steps 200 --granularity 4"
@@ -57,11 +65,16 @@ else
     --baseline-s 2"
   DEFAULT_KV="--preset moshi-7b --device $DEVICE --kv-dtype int8 --frames 3100 --rows 4 --batches 1 64 128
     --steps 60"
-  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=110
+  # Kernel table first (seconds), then two engines (graph capture each), then 200 teacher-forced frames of three
+  # 7B models; weights_dtype.json is rewritten after each stage, so a cut leaves the earlier ones.
+  DEFAULT_W8="--preset moshi-7b --device $DEVICE --stages kernel steps agreement --batches 1 8 64 --steps 40
+    --repeats 50 --frames 200 --rows 4"
+  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=110 T_W8=100
 fi
 CAPACITY_ARGS=${CAPACITY_ARGS:-$DEFAULT_CAPACITY}
 PREFILL_ARGS=${PREFILL_ARGS:-$DEFAULT_PREFILL}
 KV_ARGS=${KV_ARGS:-$DEFAULT_KV}
+W8_ARGS=${W8_ARGS:-$DEFAULT_W8}
 FIRST_FAILURE=0
 
 say() { echo "[gpu_suite $(($(date +%s) - STARTED))s] $*"; }
@@ -216,8 +229,12 @@ else
 fi
 
 # shellcheck disable=SC2086
-stage kv_dtype "$(allow "$T_KV" 5)" "$PYTHON" bench/kv_dtype.py $KV_ARGS --out "$DIR"
+stage kv_dtype "$(allow "$T_KV" $((5 + T_W8)))" "$PYTHON" bench/kv_dtype.py $KV_ARGS --out "$DIR"
 grep -E '^(capacity|write|agreement|steps|no CUDA)' "$DIR/kv_dtype.log" | tail -n 12
+
+# shellcheck disable=SC2086
+stage weights_dtype "$(allow "$T_W8" 5)" "$PYTHON" bench/weights_dtype.py $W8_ARGS --out "$DIR"
+grep -E '^(capacity|kernel|steps|agreement|no CUDA)' "$DIR/weights_dtype.log" | tail -n 60
 
 "$PYTHON" bench/gpu_summary.py "$DIR" > "$DIR/summary.log" 2>&1 || record summary $? 0
 say "done in $(($(date +%s) - STARTED)) s; everything is in $DIR"

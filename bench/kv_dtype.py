@@ -61,7 +61,8 @@ def capacities(preset: str, kv_dtype: str, dtype: torch.dtype, memory: int | Non
     cfg, mimi = PRESETS[preset], PRESET_MIMI[preset]
     out = {}
     for kv in dict.fromkeys(("bf16", kv_dtype)):
-        result = capacity(preset, cfg, mimi, kv, dtype, memory, device=device)
+        # A given memory size is a GPU's: its sizing rule (a CPU device sets no memory bound at all).
+        result = capacity(preset, cfg, mimi, kv, dtype, memory, device="cuda" if memory is not None else device)
         out[kv] = {"sessions": result.sessions, "kv_window_gib": round(result.kv_window / 2**30, 3)}
         print(f"capacity {kv}: {result.sessions} full windows ({result.kv_window / 2**30:.3f} GiB each)")
     return out

@@ -84,10 +84,11 @@ def reference_mimi(seed: int = 0, mimi_config: dict | None = None):
 
 
 @torch.no_grad()
-def quantized_reference(lm: RefLMModel) -> tuple[RefLMModel, RefLMModel]:
+def quantized_reference(lm: RefLMModel, text_head: bool = True) -> tuple[RefLMModel, RefLMModel]:
     """moshi's own q8 model of `lm` (every Linear a `QLinear`, quantized by bitsandbytes as `export_quantized`
-    does) and the reference LM on its dequantized weights (`CB * SCB / 127`, fp32): the oracle of duplexd's int8
-    weights, since moshi's q8 forward is W8A8 in fp16 and its loader cannot read its own q8 files."""
+    does) and the reference LM on its dequantized weights (`CB * SCB / 127`, fp32; the text head left as it was
+    unless `text_head`, as `--weights-dtype int8` leaves it): the oracle of duplexd's int8 weights, since moshi's q8
+    forward is W8A8 in fp16 and its loader cannot read its own q8 files."""
     from moshi.utils.quantize import QLinear, replace_linear_with_qlinear
 
     q8 = copy.deepcopy(lm)
@@ -95,7 +96,7 @@ def quantized_reference(lm: RefLMModel) -> tuple[RefLMModel, RefLMModel]:
     dequantized = copy.deepcopy(lm)
     quantized = dict(q8.named_modules())
     for name, module in dequantized.named_modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and (text_head or name != "text_linear"):
             q = quantized[name]
             assert isinstance(q, QLinear)
             module.weight.copy_(q.weight.float() * q.weight_scb[:, None] / 127)
