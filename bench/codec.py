@@ -15,7 +15,9 @@ fills more than a core and more threads do not help. This measures, for N stream
   `thread_scaling_2` (2.0 is perfect on two free cores), and the same for sphn (`sphn_thread_scaling_2`); beside
   them the CPU the 2-thread run got per wall second (`cpus_used_2`: sphn, holding the GIL, never gets above 1),
   and the share of the worker's CPU inside the libopus calls (`libopus_cpu_share`), which bounds the scaling on two
-  free cores (`thread_scaling_2_bound`, Amdahl) whatever else the machine runs;
+  free cores (`thread_scaling_2_bound`, Amdahl) whatever else the machine runs; and, as the control, the same
+  split over 2 forked processes against 1 (`process_scaling_2`: no GIL between them, so what the cores give this
+  work) and the threads' share of it (`thread_vs_process_scaling`);
 * quality (unless --no-quality): SNR and log-spectral distance (LSD) of each profile and of sphn after our decode,
   against the input, after a lag search: a stand-in for PESQ, which is not installed (measured PESQ-WB: fast 4.00,
   sphn 4.06).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -202,6 +205,31 @@ def wall_with_threads(kind: str, frames, uplinks, threads: int) -> tuple[float, 
     return time.perf_counter() - started, time.process_time() - cpu
 
 
+def wall_with_processes(frames, uplinks, processes: int) -> float:
+    """The same split over forked processes, each with its own GIL (the machine's own scaling for this work: the
+    control that tells the GIL's cost from the cores'): the slowest worker's run, timed from a common start."""
+    context = multiprocessing.get_context("fork")  # the children inherit the frames: nothing is pickled
+    n = len(frames)
+    bounds = [(n * p // processes, n * (p + 1) // processes) for p in range(processes)]
+    barrier, results = context.Barrier(processes), context.Queue()
+
+    def body(first: int, count: int) -> None:
+        setup, run = worker_tick("ours", frames, uplinks, first, count)
+        setup()
+        barrier.wait()
+        started = time.perf_counter()
+        run()
+        results.put(time.perf_counter() - started)
+
+    pool = [context.Process(target=body, args=(a, b - a)) for a, b in bounds]
+    for proc in pool:
+        proc.start()
+    walls = [results.get(timeout=600) for _ in pool]
+    for proc in pool:
+        proc.join()
+    return max(walls)
+
+
 def libopus_share(frames, uplinks, lib) -> float:
     """The share of a codec worker's CPU (one thread, "fast" profile) spent in the libopus calls themselves, where
     the GIL is released: what bounds thread scaling (Amdahl) whatever else runs on the machine."""
@@ -355,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<34} {one:>10.3f} {two:>12.3f} {one / two:>8.2f} {two_cpu / two:>10.2f}")
         out[key] = round(one / two, 3)
         out[key.replace("thread_scaling", "cpus_used")] = round(two_cpu / two, 3)
+    procs = {k: min(wall_with_processes(frames, browser, k) for _ in range(args.repeats)) for k in (1, 2)}
+    out["process_scaling_2"] = round(procs[1] / procs[2], 3)
+    out["thread_vs_process_scaling"] = round(out["thread_scaling_2"] / out["process_scaling_2"], 3)
+    print(f"{'duplexd, 2 processes (control)':<34} {procs[1]:>10.3f} {procs[2]:>12.3f} {procs[1] / procs[2]:>8.2f}")
     share = statistics.median(libopus_share(frames, browser, lib) for _ in range(args.repeats))
     bound = 1 / ((1 - share) + share / 2)
     out["libopus_cpu_share"], out["thread_scaling_2_bound"] = round(share, 3), round(bound, 3)

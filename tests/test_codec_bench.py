@@ -30,6 +30,8 @@ KEYS = (
     "sphn_cpus_used_2",
     "libopus_cpu_share",
     "thread_scaling_2_bound",
+    "process_scaling_2",
+    "thread_vs_process_scaling",
 )
 
 
