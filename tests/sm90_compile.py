@@ -190,7 +190,8 @@ def kernel_inventory() -> tuple[list[str], list[str]]:
 
 def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | None) -> None:
     """`LMGen.step` under `force_triton` at each batch size and KV format (`--kv-dtype`): Moshi 7B (`layers`
-    temporal and DepFormer layers if given), bf16 weights, on `meta`; then with int8 weights (`--weights-dtype
+    temporal and DepFormer layers if given), bf16 weights, on `meta` (with an 8-bit pool, the standalone store at
+    the same batch too); then with int8 weights (`--weights-dtype
     int8`: every projection through the W8A16 kernel) at each batch size with a bf16 pool, and its prefill."""
     from duplexd.engine.dialogue.lm_gen import LMGen
     from duplexd.engine.kv.dtypes import KV_DTYPES
@@ -211,7 +212,26 @@ def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | Non
             recorder.context = step_context(batch, kv_dtype, weights)
             with force_triton():
                 gen.step(torch.arange(batch, device="meta"), user_codes)
+            if gen.kv.k_scales is not None:
+                drive_standalone_store(recorder, gen.kv, batch)
         drive_prefill(recorder, cfg, kv_dtype, weights)
+
+
+def store_context(batch: int, kv_dtype: str) -> str:
+    return f"store_quantized B={batch} kv={kv_dtype}"
+
+
+def drive_standalone_store(recorder: Recorder, kv, batch: int) -> None:
+    """`store_quantized_triton` on the engine's pool at `batch` rows: the step fuses the store into RoPE
+    (`rope_kv_store`), so no engine launch compiles the standalone store; bench/kv_dtype.py runs it."""
+    from duplexd.kernels.kv_quant import store_quantized_triton
+
+    heads, head_dim = kv.keys.shape[-2:]
+    qkv = torch.zeros(batch, 3, heads, head_dim, dtype=torch.bfloat16, device="meta")
+    view = kv.batch(torch.arange(batch, device="meta"), torch.zeros(batch, dtype=torch.long, device="meta"))
+    recorder.context = store_context(batch, kv.kv_dtype)
+    pools = (kv.keys[0], kv.values[0], kv.k_scales[0], kv.v_scales[0])
+    store_quantized_triton(qkv[:, 1], qkv[:, 2], *pools, view.write_page, view.write_offset)
 
 
 def _suffix(kv_dtype: str, weights: str) -> str:

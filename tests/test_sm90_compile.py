@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.sm90_compile import ONES, engine_variants, step_context
+from tests.sm90_compile import ONES, engine_variants, step_context, store_context
 
 HELPER = Path(__file__).with_name("sm90_compile.py")
 
@@ -68,12 +68,14 @@ def test_every_kernel_is_exercised(report):
 
 
 def test_every_kv_dtype_compiles_its_own_variants(report):
-    """The 8-bit pools' kernels are their own variants: the decode kernel with SCALED on int8 and fp8 pointers,
-    the quantize-and-store kernel for each format, at every batch the step runs (and in the prefill)."""
+    """The 8-bit pools' kernels are their own variants: the decode kernel with SCALED on int8 and fp8 pointers and
+    RoPE fused with the quantized store for each format, at every batch the step runs (and in the prefill); the
+    standalone store (`store_quantized`, which the step no longer launches) for each format at those batches."""
     for kv, ptr in (("int8", "*i8"), ("fp8", "*fp8e4nv")):
-        for kernel, flag, pages in (
-            ("_split_kernel", "SCALED=True", "k_ptr"),
-            ("_store_kv_kernel", f"INT8={kv == 'int8'}", "kc_ptr"),
+        for kernel, flag, pages, contexts in (
+            ("_split_kernel", "SCALED=True", "k_ptr", step_context),
+            ("_rope_kv_store_kernel", f"INT8={kv == 'int8'}", "kc_ptr", step_context),
+            ("_store_kv_kernel", f"INT8={kv == 'int8'}", "kc_ptr", store_context),
         ):
             seen = {
                 c
@@ -81,8 +83,25 @@ def test_every_kv_dtype_compiles_its_own_variants(report):
                 if v["kernel"] == kernel and flag in v["signature"].split() and f" {pages}:{ptr}" in v["signature"]
                 for c in v["contexts"]
             }
-            want = {step_context(b, kv) for b in report["batches"]}
-            assert want <= seen and any("prefill" in c for c in seen), (kernel, kv, sorted(seen))
+            want = {contexts(b, kv) for b in report["batches"]}
+            assert want <= seen, (kernel, kv, sorted(seen))
+            assert (kernel == "_store_kv_kernel") != any("prefill" in c for c in seen), (kernel, kv, sorted(seen))
+
+
+def test_the_step_fuses_the_8bit_store_into_rope(report):
+    """With an 8-bit pool the step and the prefill launch `_rope_kv_store_kernel` and neither `_rope_qk_kernel` nor
+    the standalone `_store_kv_kernel`; with a bf16 pool the opposite (RoPE alone, the pages written by torch)."""
+    by_kernel: dict[str, set[str]] = {}
+    for v in engine_variants(report):
+        by_kernel.setdefault(v["kernel"], set()).update(c for c in v["contexts"] if c != ONES)
+    for kernel, kv_formats in (
+        ("_rope_kv_store_kernel", {"int8", "fp8"}),
+        ("_rope_qk_kernel", {"bf16"}),
+        ("_store_kv_kernel", set()),
+    ):
+        lm = {c for c in by_kernel.get(kernel, set()) if c.startswith("LMGen.")}
+        formats = {next((f for f in ("int8", "fp8") if f"kv={f}" in c), "bf16") for c in lm}
+        assert formats == kv_formats, (kernel, sorted(lm))
 
 
 def test_int8_weights_compile_the_w8a16_kernel_at_every_batch_without_spills(report):

@@ -16,8 +16,10 @@ A code dequantizes to `code * scale`; attention applies the scales to the scores
 
 Why divisions and a hand-made round: `x * (1 / scale)` lets the GPU compiler contract the multiply into the
 rounding's add (an FMA rounds once, the CPU twice), and libdevice's `rint` does not run in Triton's interpreter;
-`floor` and correctly rounded division (`div_rn`) are exact on both. The store is its own launch after RoPE, not
-fused into `rope_qk`: the rotated k is B x H x D values, a few MB a frame against the ~100 GB the attention reads.
+`floor` and correctly rounded division (`div_rn`) are exact on both. On the Triton path the engine does not launch
+this store on its own: `rope_kv_store` fuses it into RoPE (the rotated key, rounded to the model's dtype in
+registers as `rope_qk` would write it, is quantized without a trip through memory), reusing `head_scales` and
+`encode_codes`; `store_quantized` stays for callers with keys already rotated, and as the rule's reference kernel.
 """
 
 from __future__ import annotations
@@ -68,7 +70,31 @@ def store_quantized_reference(
 
 
 @triton.jit
-def _quantize_store(
+def head_scales(amax, QMAX: tl.constexpr, TINY: tl.constexpr):
+    """Per head: (live, scale) from `amax = max |x|` [H], by the rule above."""
+    live = amax >= TINY
+    scale = tl.where(live, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 0.0)
+    return live, scale
+
+
+@triton.jit
+def encode_codes(x, live, scale, c_ptr, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """Codes (in `c_ptr`'s element type) of x [H, N] fp32 under the per-head (live, scale) [H]."""
+    y = tl.math.div_rn(x, tl.where(live, scale, 1.0)[:, None])
+    y = tl.where(live[:, None], y, 0.0)
+    if INT8:
+        r = tl.floor(y)
+        frac = y - r  # exact
+        odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
+        code = tl.minimum(tl.maximum(r, -QMAX), QMAX).to(c_ptr.dtype.element_ty)
+    else:
+        code = y.to(c_ptr.dtype.element_ty)
+    return code
+
+
+@triton.jit
+def quantize_store(
     x_ptr,
     sx_b,
     sx_h,
@@ -91,19 +117,8 @@ def _quantize_store(
     INT8: tl.constexpr,
 ):
     x = tl.load(x_ptr + b * sx_b + heads[:, None] * sx_h + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    live = amax >= TINY
-    scale = tl.where(live, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 0.0)
-    y = tl.math.div_rn(x, tl.where(live, scale, 1.0)[:, None])
-    y = tl.where(live[:, None], y, 0.0)
-    if INT8:
-        r = tl.floor(y)
-        frac = y - r  # exact
-        odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
-        code = tl.minimum(tl.maximum(r, -QMAX), QMAX).to(c_ptr.dtype.element_ty)
-    else:
-        code = y.to(c_ptr.dtype.element_ty)
+    live, scale = head_scales(tl.max(tl.abs(x), axis=1), QMAX, TINY)
+    code = encode_codes(x, live, scale, c_ptr, QMAX, INT8)
     tl.store(c_ptr + page * sc_p + offset * sc_s + heads[:, None] * sc_h + dims[None, :], code, mask=mask)
     tl.store(s_ptr + page * ss_p + offset * ss_s + heads, scale, mask=hmask)
 
@@ -143,14 +158,32 @@ def _store_kv_kernel(
     dims = tl.arange(0, BLOCK_D)
     hmask = heads < n_heads
     mask = hmask[:, None] & (dims < head_dim)[None, :]
-    _quantize_store(
+    quantize_store(
         k_ptr, sk_b, sk_h, kc_ptr, sc_p, sc_s, sc_h, ks_ptr, ss_p, ss_s, b, page, offset, heads, dims, mask, hmask,
         QMAX, TINY, INT8,
     )  # fmt: skip
-    _quantize_store(
+    quantize_store(
         v_ptr, sv_b, sv_h, vc_ptr, sc_p, sc_s, sc_h, vs_ptr, ss_p, ss_s, b, page, offset, heads, dims, mask, hmask,
         QMAX, TINY, INT8,
     )  # fmt: skip
+
+
+def check_store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+) -> None:
+    """The shapes, layouts and formats a Triton store of k, v [B, H, D] into these pools needs (ValueError)."""
+    heads, head_dim = k.shape[1:]
+    if v.shape != k.shape or k_pages.shape[2:] != (heads, head_dim) or v_pages.shape != k_pages.shape:
+        raise ValueError(f"k {list(k.shape)}, v {list(v.shape)}, pages {list(k_pages.shape)}")
+    if v_pages.stride() != k_pages.stride() or v_scales.stride() != k_scales.stride() or k_scales.stride(-1) != 1:
+        raise ValueError("the K and V pools (and their scale pools) need one layout, scales contiguous by head")
+    if k_pages.dtype not in QMAX or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"pages of {k_pages.dtype}: not an 8-bit format ({', '.join(map(str, QMAX))})")
 
 
 def store_quantized_triton(
@@ -166,12 +199,7 @@ def store_quantized_triton(
     """Triton `store_quantized`: one launch for k and v; k and v may be strided views with a contiguous last dim;
     the pools share one layout (as `PagedKVCache` makes them)."""
     batch, heads, head_dim = k.shape
-    if v.shape != k.shape or k_pages.shape[2:] != (heads, head_dim) or v_pages.shape != k_pages.shape:
-        raise ValueError(f"k {list(k.shape)}, v {list(v.shape)}, pages {list(k_pages.shape)}")
-    if v_pages.stride() != k_pages.stride() or v_scales.stride() != k_scales.stride() or k_scales.stride(-1) != 1:
-        raise ValueError("the K and V pools (and their scale pools) need one layout, scales contiguous by head")
-    if k_pages.dtype not in QMAX or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"pages of {k_pages.dtype}: not an 8-bit format ({', '.join(map(str, QMAX))})")
+    check_store(k, v, k_pages, v_pages, k_scales, v_scales)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     _store_kv_kernel[(batch,)](

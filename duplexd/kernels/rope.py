@@ -2,7 +2,8 @@
 
 Each row carries its own absolute position, so sessions at different points of their conversation share a batch.
 The angles depend only on the positions, so a step computes them once (`rope_angles`) and every layer rotates
-its q and k with `rope_qk`.
+its q and k with `rope_qk` (or, on an 8-bit KV pool's Triton path, `rope_kv_store`, which stores the rotated key
+quantized as it goes).
 """
 
 from __future__ import annotations
@@ -40,13 +41,20 @@ def rope_qk_reference(
 
 
 @triton.jit
-def _rotate(x_ptr, o_ptr, stride_b, stride_h, ostride_b, ostride_h, b, heads, pairs, c, s, mask):
+def rotated_pairs(x_ptr, stride_b, stride_h, b, heads, pairs, c, s, mask):
+    """Row b's pairs [heads, pairs] of x rotated by (c, s): (even, odd) elements in fp32, masked ones 0."""
     x_off = b * stride_b + heads * stride_h + 2 * pairs
-    o_off = b * ostride_b + heads * ostride_h + 2 * pairs
     re = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
     im = tl.load(x_ptr + x_off + 1, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + o_off, (re * c - im * s).to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + o_off + 1, (re * s + im * c).to(o_ptr.dtype.element_ty), mask=mask)
+    return re * c - im * s, re * s + im * c
+
+
+@triton.jit
+def rotate_store(x_ptr, o_ptr, stride_b, stride_h, ostride_b, ostride_h, b, heads, pairs, c, s, mask):
+    even, odd = rotated_pairs(x_ptr, stride_b, stride_h, b, heads, pairs, c, s, mask)
+    o_off = b * ostride_b + heads * ostride_h + 2 * pairs
+    tl.store(o_ptr + o_off, even.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + o_off + 1, odd.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -78,8 +86,8 @@ def _rope_qk_kernel(
     mask = (heads < n_heads) & (pairs < n_pairs)
     c = tl.load(cos_ptr + b * sc_b + pairs, mask=pairs < n_pairs, other=0.0)
     s = tl.load(sin_ptr + b * sc_b + pairs, mask=pairs < n_pairs, other=0.0)
-    _rotate(q_ptr, qo_ptr, sq_b, sq_h, sqo_b, sqo_h, b, heads, pairs, c, s, mask)
-    _rotate(k_ptr, ko_ptr, sk_b, sk_h, sko_b, sko_h, b, heads, pairs, c, s, mask)
+    rotate_store(q_ptr, qo_ptr, sq_b, sq_h, sqo_b, sqo_h, b, heads, pairs, c, s, mask)
+    rotate_store(k_ptr, ko_ptr, sk_b, sk_h, sko_b, sko_h, b, heads, pairs, c, s, mask)
 
 
 def rope_qk_triton(

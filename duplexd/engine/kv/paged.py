@@ -16,7 +16,9 @@ session's pages.
 With an 8-bit `kv_dtype` (`dtypes.py`) the pages hold codes and two more pools parallel to them hold an fp32
 scale per (token, head) for keys and for values ([layers, pages + 1, page_size, H]); a step's key and value are
 quantized as they are written (`kernels.kv_quant`), codes and scales together, so a recycled page's scales are
-always its new frames', and attention applies the scales as it reads (`kernels.decode_attention`).
+always its new frames', and attention applies the scales as it reads (`kernels.decode_attention`). The model hands
+its keys unrotated (`attend_rotary`), so that on the Triton path RoPE and the quantized store are one kernel
+(`kernels.rope_kv_store`).
 
 Admission is host bookkeeping only (`allocate` and `free` change `host_tables`), so it never waits for a step in
 flight; the engine's loop thread copies a slot's row to the device (`upload`) when the slot starts a
@@ -35,6 +37,8 @@ from duplexd.kernels.decode_attention import decode_attention
 from duplexd.kernels.dispatch import use_triton
 from duplexd.kernels.kv_quant import store_quantized
 from duplexd.kernels.prefill_attention import causal_paged_attention_torch
+from duplexd.kernels.rope import rope_qk
+from duplexd.kernels.rope_kv_store import rope_store_quantized
 
 from ..errors import CapacityError
 from .dtypes import element_bytes, quantized, storage_dtype
@@ -210,6 +214,34 @@ class PagedKVCache:
         else:
             ks, vs = self.k_scales[layer], self.v_scales[layer]
             store_quantized(k, v, keys, values, ks, vs, view.write_page, view.write_offset)
+        return self._read(layer, view, q, ks, vs)
+
+    def attend_rotary(
+        self,
+        layer: int,
+        view: PagedBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """`attend` of q, k [B, H, D] before RoPE, rotated here by the per-row angles cos, sin [B, D/2]
+        (`kernels.rope`). An 8-bit pool rotates and stores in one op (`kernels.rope_kv_store`: on the Triton path one
+        kernel, the rotated key quantized in registers; elsewhere `rope_qk` then the store, as `attend`)."""
+        if self.k_scales is None or self.v_scales is None:
+            q, k = rope_qk(q, k, cos, sin)
+            return self.attend(layer, view, q, k, v)
+        keys, values = self.keys[layer], self.values[layer]
+        ks, vs = self.k_scales[layer], self.v_scales[layer]
+        q = rope_store_quantized(q, k, v, cos, sin, keys, values, ks, vs, view.write_page, view.write_offset)
+        return self._read(layer, view, q, ks, vs)
+
+    def _read(
+        self, layer: int, view: PagedBatch, q: torch.Tensor, ks: torch.Tensor | None, vs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of q [B, H, D] over the layer's pages, this step's keys already stored."""
+        keys, values = self.keys[layer], self.values[layer]
         if view.runs is not None and not use_triton(q):
             return torch.cat(
                 [

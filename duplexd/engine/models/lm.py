@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from duplexd.kernels.rms_norm import add_rms_norm, rms_norm
-from duplexd.kernels.rope import rope_angles, rope_qk
+from duplexd.kernels.rope import rope_angles
 from duplexd.kernels.silu_gate import silu_gate
 
 from ..kv.paged import PagedBatch, PagedKVCache
@@ -158,8 +158,7 @@ class LMModel(nn.Module):
         h = rms_norm(x, layers[0].attn_norm, NORM_EPS)
         for i, layer in enumerate(layers):
             qkv = project(h, layer.wqkv).view(-1, 3, heads, dh)
-            q, k = rope_qk(qkv[:, 0], qkv[:, 1], cos, sin)
-            attn = cache.attend(i, view, q, k, qkv[:, 2])
+            attn = cache.attend_rotary(i, view, qkv[:, 0], qkv[:, 1], qkv[:, 2], cos, sin)
             h, x = add_rms_norm(project(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
             next_norm = layers[i + 1].attn_norm if i < last else self.out_norm
             h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
