@@ -92,18 +92,19 @@ def write_check(device: str, rows: int = 128, heads: int = 32, dim: int = 128) -
 
 
 class _Recorded:
-    """A pool whose `attend` keeps each layer's output of the last step (for the attention error)."""
+    """A pool whose `attend_rotary` (what the LM calls) keeps each layer's output of the last step (for the
+    attention error)."""
 
     def __init__(self, pool: PagedKVCache) -> None:
         self.pool, self.outputs = pool, {}
-        attend = pool.attend
+        attend = pool.attend_rotary
 
-        def recording(layer, view, q, k, v):
-            out = attend(layer, view, q, k, v)
+        def recording(layer, view, q, k, v, cos, sin):
+            out = attend(layer, view, q, k, v, cos, sin)
             self.outputs[layer] = out.float()
             return out
 
-        pool.attend = recording  # type: ignore[method-assign]
+        pool.attend_rotary = recording  # type: ignore[method-assign]
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
