@@ -1,5 +1,5 @@
-"""Pieces shared by the CPU benchmarks: moving reference weights into duplexd, interleaved timing, and the
-side-by-side table."""
+"""Pieces shared by the benchmarks: moving reference weights into duplexd, interleaved timing, the side-by-side
+table, and what the 8-bit comparisons share (a sharpened random LM, the per-row relative error)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from duplexd.engine.kv.dtypes import KV_DTYPES
 from duplexd.engine.models.config import LMConfig
+from duplexd.engine.models.lm import LMModel
 
 T = TypeVar("T")
 
@@ -124,3 +125,17 @@ def timed_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], iters: in
     """Median wall times (s) of `iters` calls of each function, interleaved, after one warm-up call each."""
     a, b = interleaved([clocked(fn_a), clocked(fn_b)], iters)
     return statistics.median(a), statistics.median(b)
+
+
+def sharpened(lm: LMModel, factor: float) -> LMModel:
+    """q and k projections of every (float) temporal layer times `factor`: scores `factor`² sharper (random weights
+    attend almost uniformly, which would average a quantization error away)."""
+    dim = lm.cfg.dim
+    for layer in lm.layers:
+        layer.wqkv[:, : 2 * dim].mul_(factor)  # type: ignore[index]
+    return lm
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row (the first dim): ||a - b|| / ||b||."""
+    return (a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1).clamp_min(1e-30)

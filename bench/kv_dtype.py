@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import add_kv_dtype, cuda_missing  # noqa: E402
+from bench.common import add_kv_dtype, cuda_missing, relative_error, sharpened  # noqa: E402
 from bench.gpu_capacity import OK, measure  # noqa: E402
 from duplexd.capacity import PRESET_MIMI, capacity, parse_size  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig, sessions_that_fit  # noqa: E402
@@ -47,14 +47,6 @@ from duplexd.kernels.kv_quant import store_quantized_reference, store_quantized_
 STAGES = ("capacity", "write", "agreement", "steps")
 POSITION = 2999
 PAGE = 64
-
-
-def sharpened(lm: LMModel, factor: float) -> LMModel:
-    """q and k projections of every temporal layer times `factor`: scores `factor`² sharper."""
-    dim = lm.cfg.dim
-    for layer in lm.layers:
-        layer.wqkv[:, : 2 * dim].mul_(factor)  # type: ignore[index]
-    return lm
 
 
 def capacities(preset: str, kv_dtype: str, dtype: torch.dtype, memory: int | None, device: str) -> dict:
@@ -107,11 +99,6 @@ class _Recorded:
         pool.attend_rotary = recording  # type: ignore[method-assign]
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per row: ||a - b|| / ||b||."""
-    return (a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1).clamp_min(1e-30)
-
-
 @torch.no_grad()
 def agreement(lm: LMModel, kv_dtype: str, frames: int, rows: int, seed: int = 0) -> dict:
     """Teacher-forced comparison of the weights' dtype pool and `kv_dtype` (module docs, stage 3)."""
@@ -139,10 +126,9 @@ def agreement(lm: LMModel, kv_dtype: str, frames: int, rows: int, seed: int = 0)
         logp_ref, logp_low = ref.log_softmax(-1), low.log_softmax(-1)
         kl.append((logp_ref.exp() * (logp_ref - logp_low)).sum(-1))
         top1.append((ref.argmax(-1) == low.argmax(-1)).float())
-        logit_err.append(_relative(low, ref))
-        attn_err.append(
-            torch.stack([_relative(pools[1].outputs[i], pools[0].outputs[i]) for i in range(cfg.num_layers)]).amax(0)
-        )
+        logit_err.append(relative_error(low, ref))
+        low_attn, ref_attn = pools[1].outputs, pools[0].outputs
+        attn_err.append(torch.stack([relative_error(low_attn[i], ref_attn[i]) for i in range(cfg.num_layers)]).amax(0))
         text = ref.argmax(-1)  # the reference's greedy token, fed to both
     per_frame = {name: torch.stack(values).cpu() for name, values in (("kl", kl), ("top1", top1), ("logit", logit_err))}
     attn = torch.stack(attn_err).cpu()

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import MID_LM, add_kv_dtype, cuda_missing  # noqa: E402
+from bench.common import MID_LM, add_kv_dtype, cuda_missing, relative_error, sharpened  # noqa: E402
 from bench.gpu_capacity import OK, measure  # noqa: E402
 from duplexd.capacity import PRESET_MIMI, capacity, parse_size, weight_bytes  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig, sessions_that_fit  # noqa: E402
@@ -101,14 +101,6 @@ GiB = 2**30
 # `--preset` for the agreement: the LM presets, and bench/common.py's mid-size LM (1024 x 8 layers, the real
 # vocabularies), which a CPU runs in minutes.
 AGREEMENT_LMS = {**PRESETS, "mid": MID_LM}
-
-
-def sharpened(lm: LMModel, factor: float) -> LMModel:
-    """q and k projections of every temporal layer times `factor` (float weights): scores `factor`² sharper."""
-    dim = lm.cfg.dim
-    for layer in lm.layers:
-        layer.wqkv[:, : 2 * dim].mul_(factor)  # type: ignore[index]
-    return lm
 
 
 def _free(device: str) -> None:
@@ -386,11 +378,6 @@ def first_audio_logits(lm: LMModel, hidden: torch.Tensor, text: torch.Tensor) ->
     return seen[0].float()
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per row: ||a - b|| / ||b||."""
-    return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
-
-
 def _kl(ref: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """Per row: KL(softmax(ref) || softmax(low))."""
     logp_ref, logp_low = ref.log_softmax(-1), low.log_softmax(-1)
@@ -452,7 +439,7 @@ def agreement(lm: LMModel, frames: int, rows: int, seed: int = 0) -> dict:
                 kl, top1, rel = acc[name][part]
                 kl.append(_kl(b, a))
                 top1.append((a.argmax(-1) == b.argmax(-1)).float())
-                rel.append(_relative(a, b))
+                rel.append(relative_error(a, b))
     result: dict = {"frames": frames, "rows": rows, "lm_weights_gib": {}}
     print(
         f"agreement {'weights':>15} {'LM GiB':>7} {'part':>6} {'KL mean':>9} {'KL p99':>9} {'top-1 %':>8} "

@@ -29,10 +29,11 @@ from duplexd.kernels.kv_quant import (
 HEADS, DIM = 3, 24  # head dim not a power of two: the kernel's masks are exercised
 
 
-def _pool(kv_dtype: str = "int8") -> PagedKVCache:
-    """Context 12 in pages of 5 frames: a ring of 3 pages (15 positions), so pages straddle the window edge."""
+def _pool(kv_dtype: str = "int8", layers: int = 1) -> PagedKVCache:
+    """Context 12 in pages of 5 frames: a ring of 3 pages (15 positions), so pages straddle the window edge; pages
+    handed out shuffled."""
     kv = PagedKVCache(
-        num_layers=1,
+        num_layers=layers,
         num_heads=HEADS,
         head_dim=DIM,
         context=12,

@@ -17,8 +17,6 @@ reference too.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -36,29 +34,10 @@ from duplexd.kernels.rope_kv_store import (
 )
 from duplexd.kernels.testing import poisoned_allocations
 
+from .test_kernels_kv_quant import DIM, HEADS, _pool  # D = 24: 12 pairs in a block of 16, the masks exercised
 from .test_kernels_lm import CFG, PARAMS
 
-HEADS, DIM = 3, 24  # head dim not a power of two (12 pairs in a block of 16): the masks are exercised
 POOLS = ("keys", "values", "k_scales", "v_scales")
-
-
-def _pool(kv_dtype: str = "int8", layers: int = 1) -> PagedKVCache:
-    """Context 12 in pages of 5 frames: a ring of 3 pages (15 positions), pages handed out shuffled."""
-    kv = PagedKVCache(
-        num_layers=layers,
-        num_heads=HEADS,
-        head_dim=DIM,
-        context=12,
-        num_slots=3,
-        num_pages=9,
-        page_size=5,
-        kv_dtype=kv_dtype,
-    )
-    random.Random(0).shuffle(kv._free)
-    for slot in (0, 2):
-        kv.allocate(slot)
-        kv.upload(slot)
-    return kv
 
 
 def _qkv(gen: torch.Generator, batch: int, dtype: torch.dtype) -> torch.Tensor:
