@@ -131,12 +131,11 @@ def quantize_(model: nn.Module, names: Iterable[str]) -> None:
         owner, leaf = _owner(model, name)
         p = getattr(owner, leaf)
         codes, absmax = quantize_rows(p.detach().transpose(-1, -2))
-        delattr(owner, leaf)
-        w = Int8Weight(tuple(p.shape[:-2]), p.shape[-1], p.shape[-2], device=p.device)
+        int8_layout_(model, [name])
+        w = getattr(owner, leaf)
         w.codes.copy_(codes)
         w.absmax.copy_(absmax)
         w.set_from_absmax_()
-        setattr(owner, leaf, w)
 
 
 def dequantize_(model: nn.Module, names: Iterable[str], dtype: torch.dtype) -> None:

@@ -487,14 +487,13 @@ def lm_file_name(ref: str | Path) -> str:
     """The LM file a folder or hub repo `ref` holds: the one its config.json names (`moshi_name`, as moshi reads
     it: Kyutai's q8 repos hold `model.q8.safetensors`), else `model.safetensors`."""
     text = str(ref).removeprefix("file://")
-    config: Path | None = Path(text).expanduser() / CONFIG_NAME
-    if not Path(text).expanduser().is_dir():
-        config = None
-        if (repo := hub_repo(text)) is not None and text == repo:
-            try:
-                config = hub_file(repo, CONFIG_NAME)
-            except CheckpointError:
-                config = None
+    folder = Path(text).expanduser()
+    config = folder / CONFIG_NAME if folder.is_dir() else None
+    if config is None and hub_repo(text) == text:  # a repo id, not a file in it
+        try:
+            config = hub_file(text, CONFIG_NAME)
+        except CheckpointError:
+            pass
     if config is None or not config.is_file():
         return MOSHI_NAME
     name = _read_config_json(config).get("moshi_name")
