@@ -10,6 +10,10 @@ fills more than a core and more threads do not help. This measures, for N stream
 * encode: the "fast" and "kyutai" profiles, and sphn's `OpusStreamWriter` as the reference (ratio printed);
 * decode: a browser-style uplink (opus-recorder: libopus AUDIO, 20 ms packets, two a page) and a sphn-style uplink
   (moshi's Python client), each by `OggOpusDecoder` and by sphn's `OpusStreamReader`;
+* the server's path (`CodecBatches`, what `duplexd serve` runs): the same tick's decodes and encodes submitted from
+  an event loop, with 2 codec threads against 1 (`batches_thread_scaling_2`) and with 2 codec worker processes
+  (`--codec-processes`) against 1 (`worker_scaling_2`), and the server process's own CPU per stream-second in each
+  (`server_process_ms_per_s_*`: the event loop and couriers; with threads, the coding too);
 * thread scaling: wall-clock throughput of a codec worker's tick (decode the uplink frame, encode the downlink
   frame, "fast" profile) with 2 threads each taking half the streams against 1 thread taking all of them:
   `thread_scaling_2` (2.0 is perfect on two free cores), and the same for sphn (`sphn_thread_scaling_2`); beside
@@ -31,6 +35,7 @@ its last line, one JSON object.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing
 import os
@@ -230,6 +235,39 @@ def wall_with_processes(frames, uplinks, processes: int) -> float:
     return max(walls)
 
 
+def wall_through_batches(frames, uplinks, threads: int, processes: int, groups: int = 4) -> tuple[float, float]:
+    """The server's own path (`CodecBatches`, codec threads or worker processes) driven from an event loop: the
+    streams in `groups` that tick independently, as a server's sessions do (their messages do not all arrive at
+    once), each tick's decodes and encodes of a group submitted together and awaited, ticks back to back. Wall
+    seconds and this process's CPU seconds (the event loop and couriers; the coding too with codec threads)."""
+    from duplexd.server.codec_batches import CodecBatches
+
+    codec = CodecBatches(threads, processes, uplink_window=0.0)  # throughput: no waiting for stragglers
+    try:
+        decoders = [codec.decoder(RATE) for _ in frames]
+        encoders = [codec.encoder("fast", RATE) for _ in frames]
+
+        async def group(g: int, ticks: range) -> None:
+            members = range(g, len(frames), groups)
+            for tick in ticks:
+                work = [codec.decode(decoders[s], uplinks[s % len(uplinks)][tick]) for s in members]
+                work += [codec.encode(encoders[s], frames[s][tick]) for s in members]
+                await asyncio.gather(*work)
+
+        async def run() -> tuple[float, float]:
+            # the first tick untimed: the workers' start-up and the streams' creation are not throughput
+            await asyncio.gather(*(group(g, range(1)) for g in range(groups)))
+            wall, cpu = time.perf_counter(), time.process_time()
+            await asyncio.gather(*(group(g, range(1, len(frames[0]))) for g in range(groups)))
+            return time.perf_counter() - wall, time.process_time() - cpu
+
+        wall, cpu = asyncio.run(run())
+        scale = len(frames[0]) / (len(frames[0]) - 1)  # per the whole run's ticks, as the other measures
+        return wall * scale, cpu * scale
+    finally:
+        codec.shutdown()
+
+
 def libopus_share(frames, uplinks, lib) -> float:
     """The share of a codec worker's CPU (one thread, "fast" profile) spent in the libopus calls themselves, where
     the GIL is released: what bounds thread scaling (Amdahl) whatever else runs on the machine."""
@@ -387,6 +425,21 @@ def main(argv: list[str] | None = None) -> int:
     out["process_scaling_2"] = round(procs[1] / procs[2], 3)
     out["thread_vs_process_scaling"] = round(out["thread_scaling_2"] / out["process_scaling_2"], 3)
     print(f"{'duplexd, 2 processes (control)':<34} {procs[1]:>10.3f} {procs[2]:>12.3f} {procs[1] / procs[2]:>8.2f}")
+    # the server's path: CodecBatches with 1 and 2 codec threads, and with 1 and 2 worker processes
+    served: dict[tuple[int, int], list[tuple[float, float]]] = {k: [] for k in ((1, 0), (2, 0), (1, 1), (1, 2))}
+    for _ in range(args.repeats):
+        for threads, processes in served:
+            served[(threads, processes)].append(wall_through_batches(frames, browser, threads, processes))
+    best = {k: min(v) for k, v in served.items()}
+    for label, key, one, two in (
+        ("server path, codec threads", "batches_thread_scaling_2", (1, 0), (2, 0)),
+        ("server path, worker processes", "worker_scaling_2", (1, 1), (1, 2)),
+    ):
+        print(f"{label:<34} {best[one][0]:>10.3f} {best[two][0]:>12.3f} {best[one][0] / best[two][0]:>8.2f}")
+        out[key] = round(best[one][0] / best[two][0], 3)
+    # what coding costs the server's own process per stream-second (event loop + couriers; threads included)
+    for key, k in (("server_process_ms_per_s_threads_2", (2, 0)), ("server_process_ms_per_s_workers_2", (1, 2))):
+        out[key] = round(1000 * best[k][1] / stream_s, 4)
     share = statistics.median(libopus_share(frames, browser, lib) for _ in range(args.repeats))
     bound = 1 / ((1 - share) + share / 2)
     out["libopus_cpu_share"], out["thread_scaling_2_bound"] = round(share, 3), round(bound, 3)

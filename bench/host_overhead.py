@@ -65,14 +65,32 @@ def thread_group(comm: str) -> str:
     return comm if comm in THREADS[:3] else "other"
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (the server's codec workers with `--codec-processes`)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                text = (entry / "stat").read_text()
+                if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
+                    out.append(int(entry.name))
+    return out
+
+
 def cpu_snapshot(pid: int) -> dict[str, float]:
-    """CPU seconds of the process (`total`, dead threads included) and of each thread group."""
+    """CPU seconds of the process (`total`, dead threads included) and of each thread group; its child processes
+    (codec workers) count in `total` and as codec."""
     out: dict[str, float] = defaultdict(float)
     out["total"] = parse_stat(Path(f"/proc/{pid}/stat").read_text())[1]
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError, ValueError):
             comm, seconds = parse_stat((task / "stat").read_text())
             out[thread_group(comm)] += seconds
+    for child in child_pids(pid):
+        with contextlib.suppress(OSError, ValueError):
+            seconds = parse_stat(Path(f"/proc/{child}/stat").read_text())[1]
+            out["total"] += seconds
+            out["codec"] += seconds
     return dict(out)
 
 
@@ -277,7 +295,9 @@ def read_counters(path: Path) -> tuple[int, int, int]:
     return steps, frames_in, frames_out
 
 
-def start_server(port: int, max_sessions: int, step_ms: float, log: Path, counters: Path) -> subprocess.Popen:
+def start_server(
+    port: int, max_sessions: int, step_ms: float, log: Path, counters: Path, codec_processes: int = 0
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         str(HERE / "host_overhead_server.py"),
@@ -289,6 +309,7 @@ def start_server(port: int, max_sessions: int, step_ms: float, log: Path, counte
         str(port),
         "--max-sessions",
         str(max_sessions),
+        *(["--codec-processes", str(codec_processes)] if codec_processes else []),
         "--max-pending-frames",
         "250",
         "--max-output-frames",
@@ -487,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=0, help="client processes per run (0: one per 32 sessions)")
     parser.add_argument("--sessions-per-client", type=int, default=32)
     parser.add_argument("--step-ms", type=float, default=0.0, help="hold each stand-in step (sleep, no CPU)")
+    parser.add_argument(
+        "--codec-processes", type=int, default=0, help="serve with codec worker processes (their CPU counts as codec)"
+    )
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip py-spy")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--py-spy", default=str(Path(sys.executable).with_name("py-spy")))
@@ -509,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         os.environ["HOST_OVERHEAD_COUNTERS"] = str(tmp / "counters.bin")
-        server = start_server(port, max(counts), args.step_ms, tmp / "server.log", tmp / "counters.bin")
+        server = start_server(
+            port, max(counts), args.step_ms, tmp / "server.log", tmp / "counters.bin", args.codec_processes
+        )
         summaries = []
         try:
             for protocol in protocols:

@@ -1,9 +1,12 @@
-"""The codec threads' batches: a step's encodes and a window's decodes cross to the codec threads in one executor
-call per thread, each session gets exactly what its own stream makes, and a bad stream fails only itself."""
+"""The codec's batches: a step's encodes and a window's decodes cross to the codec threads in one executor call per
+thread (or to the worker processes in one message per worker), each session gets exactly what its own stream
+makes, and a bad stream fails only itself; a worker process that dies fails only the streams it held."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 
 import numpy as np
@@ -12,6 +15,7 @@ import pytest
 from duplexd.clients.audio import speech_like
 from duplexd.server.codec.errors import AudioError
 from duplexd.server.codec.streams import OggOpusDecoder, OggOpusEncoder
+from duplexd.server.codec.workers import CodecWorkerError
 from duplexd.server.codec_batches import UPLINK_WINDOW_S, CodecBatches
 from duplexd.wire import FRAME_SIZE, split_frames
 
@@ -59,16 +63,43 @@ def test_a_step_of_encodes_is_one_call_per_thread_and_each_stream_gets_its_own_b
     assert len({b"".join(p) for p in pages}) == SESSIONS  # the sessions' audio differs, so do their bytes
 
 
-def test_decodes_within_the_window_share_a_call_and_a_bad_stream_fails_alone():
+def test_worker_processes_encode_a_step_in_one_message_each_and_each_stream_gets_its_own_bytes():
+    audio = [_speech(s) for s in range(SESSIONS)]
+
+    async def run() -> tuple[list[list[bytes]], int, list[int], list[int]]:
+        codec = CodecBatches(processes=2)
+        try:
+            encoders = [codec.encoder("fast", 24000) for _ in range(SESSIONS)]
+            pages: list[list[bytes]] = [[] for _ in range(SESSIONS)]
+            for frame in range(FRAMES):
+                out = await asyncio.gather(*(codec.encode(e, audio[s][frame]) for s, e in enumerate(encoders)))
+                for s, ogg in enumerate(out):
+                    pages[s].append(ogg)
+            placed = [sum(e.worker is w for e in encoders) for w in codec._workers.workers]  # type: ignore[union-attr]
+            return pages, codec.downlink.calls, placed, codec.worker_pids
+        finally:
+            codec.shutdown()
+
+    pages, calls, placed, pids = asyncio.run(run())
+    assert placed == [SESSIONS // 2, SESSIONS // 2]  # new streams go to the emptier worker
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert calls == FRAMES * 2  # one message per worker per step, not one per session
+    for s in range(SESSIONS):
+        alone = OggOpusEncoder("fast")
+        assert pages[s] == [alone.encode(frame) for frame in audio[s]], f"session {s}"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_decodes_within_the_window_share_a_call_and_a_bad_stream_fails_alone(processes):
     streams = []
     for s in range(SESSIONS):
         encoder = OggOpusEncoder("fast")
         streams.append([encoder.encode(frame) for frame in _speech(s)])
 
     async def run():
-        codec = CodecBatches(1)
+        codec = CodecBatches(processes=processes)
         try:
-            decoders = [OggOpusDecoder() for _ in range(SESSIONS)]
+            decoders = [codec.decoder(24000) for _ in range(SESSIONS)]
             bad = SESSIONS - 1
 
             async def one(s: int, frame: int, delay: float):
@@ -85,7 +116,7 @@ def test_decodes_within_the_window_share_a_call_and_a_bad_stream_fails_alone():
             codec.shutdown()
 
     results, calls = asyncio.run(run())
-    assert calls == FRAMES
+    assert calls == FRAMES * max(processes, 1)
     for s in range(SESSIONS - 1):
         pcm = np.concatenate([results[f][s] for f in range(FRAMES)])
         direct = OggOpusDecoder()
@@ -110,3 +141,33 @@ def test_a_request_whose_session_left_is_dropped_without_harm():
             codec.shutdown()
 
     assert asyncio.run(run()) == OggOpusEncoder("fast").encode(_speech(0)[0])
+
+
+def test_a_worker_that_dies_fails_only_its_streams_and_is_replaced():
+    frame = _speech(0)[0]
+
+    async def run():
+        codec = CodecBatches(processes=2)
+        try:
+            first, second = codec.encoder("fast", 24000), codec.encoder("fast", 24000)
+            assert first.worker is not second.worker  # type: ignore[union-attr]
+            await asyncio.gather(codec.encode(first, frame), codec.encode(second, frame))
+            victim = first.worker.pid  # type: ignore[union-attr]
+            os.kill(victim, signal.SIGKILL)
+            died, survived = await asyncio.gather(
+                codec.encode(first, frame), codec.encode(second, frame), return_exceptions=True
+            )
+            again = await asyncio.gather(codec.encode(first, frame), return_exceptions=True)
+            fresh = codec.encoder("fast", 24000)  # goes to the replacement, which is empty
+            new_bytes = await codec.encode(fresh, frame)
+            return died, survived, again[0], new_bytes, victim, codec.worker_pids
+        finally:
+            codec.shutdown()
+
+    died, survived, again, new_bytes, victim, pids = asyncio.run(run())
+    assert isinstance(died, CodecWorkerError) and isinstance(again, CodecWorkerError)
+    alone = OggOpusEncoder("fast")
+    alone.encode(frame)
+    assert survived == alone.encode(frame)  # the other worker's stream went on, its second frame
+    assert new_bytes == OggOpusEncoder("fast").encode(frame)  # a new stream starts from its headers
+    assert victim not in pids and len(pids) == 2

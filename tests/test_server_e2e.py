@@ -53,6 +53,9 @@ SERVER_ARGS = [
     "2",
     "--max-session-seconds",
     "60",
+    # Kyutai audio in two codec worker processes (the other servers of the suite run the default codec thread)
+    "--codec-processes",
+    "2",
 ]
 
 

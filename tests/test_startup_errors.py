@@ -104,6 +104,12 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
         {},
     ),
     "certificate without key": (["serve", "--ssl-certfile", "{tmp}/bad.json"], "--ssl-keyfile", {}),
+    "codec threads and processes": (
+        ["serve", "--codec-threads", "2", "--codec-processes", "2"],
+        "--codec-threads and --codec-processes: choose one",
+        {},
+    ),
+    "negative codec processes": (["serve", "--codec-processes", "-1"], "--codec-processes", {}),
     "certificate not PEM": (
         ["serve", "--ssl-certfile", "{tmp}/bad.json", "--ssl-keyfile", "{tmp}/bad.json"],
         "--ssl-certfile {tmp}/bad.json / --ssl-keyfile {tmp}/bad.json: not a PEM",

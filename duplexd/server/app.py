@@ -38,12 +38,14 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     """An app serving `runtime` (built, not started: the app starts and stops it)."""
     drain = Drain()
     metrics = Metrics(runtime, lambda: drain.draining)
-    codec = CodecBatches(settings.codec_threads)
+    codec = CodecBatches(settings.codec_threads, settings.codec_processes)
     logger.info(
-        "Kyutai protocol audio: %s; downlink profile %s; %d codec thread(s)",
+        "Kyutai protocol audio: %s; downlink profile %s; %s",
         backend(),
         settings.opus_profile,
-        settings.codec_threads,
+        f"{settings.codec_processes} codec worker process(es) {codec.worker_pids}"
+        if settings.codec_processes
+        else f"{settings.codec_threads} codec thread(s)",
     )
 
     @contextlib.asynccontextmanager

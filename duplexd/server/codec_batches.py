@@ -10,9 +10,18 @@ gathered and handed over in batches:
 * uplink: clients' messages arrive spread over the 80 ms tick (a browser sends one every 40 ms); the first
   `decode` starts a short window (`UPLINK_WINDOW_S`) that gathers what arrives before it closes.
 
-Each batch is split over the codec threads (one call per thread). A session awaits its own request, so no stream
-is ever in two batches at once, and a bad stream fails only its own request. Streams free their libopus state when
-the last reference goes, so one whose session ended mid-batch lives until its batch is done.
+Where the streams live (`CodecBatches`):
+
+* codec threads (`threads`, the default): the streams are in this process and each batch is split over the
+  threads, one call per thread. Short libopus calls hand the GIL over and back, so two threads code about 1.3x
+  what one does;
+* codec worker processes (`processes` > 0, `codec/workers.py`): each stream lives in one worker, each batch goes
+  to each worker holding part of it as one message, sent and awaited by a courier thread (blocked in the pipe,
+  without the GIL). Workers scale with the cores; each costs a process and a pickled copy of the audio.
+
+A session awaits its own request, so no stream is ever in two batches at once, and a bad stream fails only its own
+request. Streams free their state when the last reference goes, so one whose session ended mid-batch lives until
+its batch is done.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
@@ -27,34 +37,38 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from .codec.streams import OggOpusDecoder, OggOpusEncoder
+from .codec.workers import CodecWorker, CodecWorkers, RemoteStream
 
 logger = logging.getLogger(__name__)
 
 UPLINK_WINDOW_S = 0.01  # at most 100 uplink batches a second, whatever the number of sessions; +<=10 ms latency
 
 R = TypeVar("R")
+Encoder = OggOpusEncoder | RemoteStream
+Decoder = OggOpusDecoder | RemoteStream
+Results = list[tuple[bool, Any]]  # per request: (True, result) or (False, the exception for its caller)
 
 
-def _run(work: Sequence[tuple[Callable[[Any], R], Any]]) -> list[tuple[bool, R | BaseException]]:
-    """One batch on a codec thread: each call's result, or the exception it raised (for its caller alone)."""
-    out: list[tuple[bool, R | BaseException]] = []
-    for call, arg in work:
+def _run_here(method: str, work: Sequence[tuple[Any, Any]]) -> Results:
+    """One batch on a codec thread: each stream's `method` on its payload."""
+    out: Results = []
+    for stream, payload in work:
         try:
-            out.append((True, call(arg)))
+            out.append((True, getattr(stream, method)(payload)))
         except Exception as e:  # noqa: BLE001 - handed back to the one request that made it
             out.append((False, e))
     return out
 
 
 class _Batch(Generic[R]):
-    """Requests gathered on the event loop until `flush` hands them to the codec threads."""
+    """Requests gathered on the event loop until `flush` hands them over, a part per codec thread or worker."""
 
-    def __init__(self, pool: ThreadPoolExecutor, threads: int, delay: float | None) -> None:
-        self._pool, self._threads, self._delay = pool, threads, delay
-        self._pending: list[tuple[Callable[[Any], R], Any, asyncio.Future[R]]] = []
+    def __init__(self, pool: ThreadPoolExecutor, split: Callable[[list], list[tuple[Callable, list]]], delay) -> None:
+        self._pool, self._split, self._delay = pool, split, delay
+        self._pending: list[tuple[Any, Any, asyncio.Future[R]]] = []
         self.calls = 0  # executor calls made (for the bench and the tests)
 
-    def submit(self, call: Callable[[Any], R], arg: Any) -> asyncio.Future[R]:
+    def submit(self, stream: Any, payload: Any) -> asyncio.Future[R]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         if not self._pending:
@@ -62,7 +76,7 @@ class _Batch(Generic[R]):
                 loop.call_soon(self._flush)
             else:
                 loop.call_later(self._delay, self._flush)
-        self._pending.append((call, arg, future))
+        self._pending.append((stream, payload, future))
         return future
 
     def _flush(self) -> None:
@@ -71,11 +85,9 @@ class _Batch(Generic[R]):
         if not live:
             return
         loop = asyncio.get_running_loop()
-        size = -(-len(live) // self._threads)
-        for start in range(0, len(live), size):
-            part = live[start : start + size]
+        for run, part in self._split(live):
             self.calls += 1
-            job = loop.run_in_executor(self._pool, _run, [(call, arg) for call, arg, _ in part])
+            job = loop.run_in_executor(self._pool, run, [(stream, payload) for stream, payload, _ in part])
             job.add_done_callback(functools.partial(self._deliver, part))
 
     @staticmethod
@@ -92,20 +104,60 @@ class _Batch(Generic[R]):
 
 
 class CodecBatches:
-    """The server's codec threads and the two batches that feed them. `encode`/`decode` from the event loop."""
+    """The server's codec threads or worker processes and the two batches that feed them; `encoder`/`decoder` make
+    a session's streams where the work runs, `encode`/`decode` are called from the event loop."""
 
-    def __init__(self, threads: int = 1) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="duplexd-codec")
-        self.downlink: _Batch[bytes] = _Batch(self._pool, threads, None)
-        self.uplink: _Batch[np.ndarray] = _Batch(self._pool, threads, UPLINK_WINDOW_S)
+    def __init__(self, threads: int = 1, processes: int = 0, uplink_window: float = UPLINK_WINDOW_S) -> None:
+        self._workers = CodecWorkers(processes) if processes else None
+        # with workers, a courier thread per worker and direction, each blocked in its pipe while the worker codes
+        self._pool = ThreadPoolExecutor(2 * processes or threads, thread_name_prefix="duplexd-codec")
+        self.downlink: _Batch[bytes] = _Batch(self._pool, self._splitter("encode", threads), None)
+        self.uplink: _Batch[np.ndarray] = _Batch(self._pool, self._splitter("decode", threads), uplink_window)
 
-    async def encode(self, encoder: OggOpusEncoder, pcm: np.ndarray) -> bytes:
+    def _splitter(self, method: str, threads: int) -> Callable[[list], list[tuple[Callable, list]]]:
+        if self._workers is not None:
+            return _by_worker
+        run = functools.partial(_run_here, method)
+
+        def even(items: list) -> list[tuple[Callable, list]]:
+            size = -(-len(items) // threads)
+            return [(run, items[at : at + size]) for at in range(0, len(items), size)]
+
+        return even
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The codec worker processes (none with codec threads), for CPU accounting."""
+        return [] if self._workers is None else self._workers.pids()
+
+    def encoder(self, profile: str, sample_rate: int) -> Encoder:
+        """A session's downlink stream (see `OggOpusEncoder`), made where the codec runs."""
+        if self._workers is None:
+            return OggOpusEncoder(profile, sample_rate)
+        OggOpusEncoder.check_profile(profile)
+        return self._workers.open(sample_rate, profile)
+
+    def decoder(self, sample_rate: int) -> Decoder:
+        """A session's uplink stream (see `OggOpusDecoder`), made where the codec runs."""
+        return OggOpusDecoder(sample_rate) if self._workers is None else self._workers.open(sample_rate)
+
+    async def encode(self, encoder: Encoder, pcm: np.ndarray) -> bytes:
         """Ogg pages of one output frame, encoded with the rest of this step's frames."""
-        return await self.downlink.submit(encoder.encode, pcm)
+        return await self.downlink.submit(encoder, pcm)
 
-    async def decode(self, decoder: OggOpusDecoder, data: bytes) -> np.ndarray:
+    async def decode(self, decoder: Decoder, data: bytes) -> np.ndarray:
         """PCM of a client's Ogg bytes (`AudioError` when malformed), decoded with the others' recent messages."""
-        return await self.uplink.submit(decoder.decode, data)
+        return await self.uplink.submit(decoder, data)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._workers is not None:
+            self._workers.close()
+
+
+def _by_worker(items: list) -> list[tuple[Callable, list]]:
+    """A batch's requests grouped by the worker holding their stream: one message to each."""
+    groups: dict[CodecWorker, list] = defaultdict(list)
+    for item in items:
+        groups[item[0].worker].append(item)
+    return [(worker.run, part) for worker, part in groups.items()]

@@ -1,9 +1,9 @@
 """`WS /api/chat`: the Kyutai protocol, as the reference server and its web and Python clients speak it.
 
 Binary messages only: kind byte + payload. Audio is one continuous Ogg/Opus stream at 24 kHz per direction, decoded
-and encoded on the codec threads with every other session's (`codec_batches`); the downlink in `--opus-profile`;
-text is the model's raw piece per non-padding step. Sampling (repetition penalty and pad_mult included) comes
-from the Rust server's query parameters.
+and encoded on the codec threads (or worker processes) with every other session's (`codec_batches`); the downlink
+in `--opus-profile`; text is the model's raw piece per non-padding step. Sampling (repetition penalty and pad_mult
+included) comes from the Rust server's query parameters.
 Order on the wire: metadata (0x04 JSON), handshake (0x00) once admitted, then audio (0x01) and text (0x02).
 A PersonaPlex persona (`text_prompt`, `voice_prompt`, PersonaPlex's own names, or its defaults) starts at admission
 and the handshake waits for its prompt to have run, as PersonaPlex's server sends it after the prompt.
@@ -32,7 +32,6 @@ from .admission import serve
 from .build_info import BUILD_INFO
 from .closing import Close, CloseCode
 from .codec.errors import AudioError
-from .codec.streams import OggOpusDecoder, OggOpusEncoder
 from .codec_batches import CodecBatches
 from .context import Context, ServerContext
 from .persona import KYUTAI, Persona, PersonaRefused, Personas
@@ -51,7 +50,7 @@ class KyutaiAdapter(Adapter):
     ) -> None:
         super().__init__(ws)
         self.codec = codec
-        self.decoder, self.encoder = OggOpusDecoder(sample_rate), OggOpusEncoder(opus_profile, sample_rate)
+        self.decoder, self.encoder = codec.decoder(sample_rate), codec.encoder(opus_profile, sample_rate)
         self.personas = personas
         self.persona: Persona | None = None  # set from the query (PersonaPlex's defaults where it has voices)
         self.transcribe_prompt: str | None = None  # set from the query: the client asked for its transcripts

@@ -132,6 +132,13 @@ class ServerSettings(BaseSettings):
     codec_threads: int = opt(
         1, "threads that run every session's Opus decoding and encoding, one batch a direction per tick", _CAP, ge=1
     )
+    codec_processes: int = opt(
+        0,
+        "run the Opus streams in this many worker processes instead of codec threads: they scale with the cores "
+        "(threads hand the GIL over at every libopus call); for the kyutai profile or sphn at many sessions",
+        _CAP,
+        ge=0,
+    )
     header_timeout: float = opt(
         10.0,
         "close a connection whose request head (request line and headers, a WebSocket handshake too) is not "
@@ -237,6 +244,8 @@ class ServerSettings(BaseSettings):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile (or --ssl DIR with cert.pem and key.pem)")
         if self.random_weights is not None:
             self._check_random_weights()
+        if self.codec_processes and "codec_threads" in self.model_fields_set:
+            raise ValueError("--codec-threads and --codec-processes: choose one (processes replace the threads)")
         return self
 
     def _check_random_weights(self) -> None:

@@ -84,8 +84,7 @@ class OggOpusEncoder:
     def __init__(self, profile: str = "fast", sample_rate: int = 24000) -> None:
         self._encoder: libopus.Encoder | None = None
         self._sphn: Any = None
-        if profile not in OPUS_PROFILES:
-            raise ValueError(f"unknown Opus profile {profile!r}: one of {', '.join(OPUS_PROFILES)}")
+        self.check_profile(profile)
         self.profile = profile
         lib = _library()
         if lib is None:
@@ -121,6 +120,12 @@ class OggOpusEncoder:
         self._headers: bytes | None = self._pages.page([opus_head(pre_skip)], 0, bos=True) + self._pages.page(
             [opus_tags()], 0
         )
+
+    @staticmethod
+    def check_profile(profile: str) -> None:
+        """ValueError for a profile name that is not one of `OPUS_PROFILES`."""
+        if profile not in OPUS_PROFILES:
+            raise ValueError(f"unknown Opus profile {profile!r}: one of {', '.join(OPUS_PROFILES)}")
 
     def encode(self, pcm: np.ndarray) -> bytes:
         """Whole Ogg pages for `pcm`, float32 mono, a whole number of packets (one 80 ms frame, 1920 samples at
