@@ -244,8 +244,7 @@ def wall_through_batches(frames, uplinks, threads: int, processes: int, groups: 
 
     codec = CodecBatches(threads, processes, uplink_window=0.0)  # throughput: no waiting for stragglers
     try:
-        decoders = [codec.decoder(RATE) for _ in frames]
-        encoders = [codec.encoder("fast", RATE) for _ in frames]
+        decoders, encoders = zip(*(codec.streams("fast", RATE) for _ in frames), strict=True)
 
         async def group(g: int, ticks: range) -> None:
             members = range(g, len(frames), groups)

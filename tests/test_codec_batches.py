@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import threading
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -69,13 +70,13 @@ def test_worker_processes_encode_a_step_in_one_message_each_and_each_stream_gets
     async def run() -> tuple[list[list[bytes]], int, list[int], list[int]]:
         codec = CodecBatches(processes=2)
         try:
-            encoders = [codec.encoder("fast", 24000) for _ in range(SESSIONS)]
+            encoders = [codec.streams("fast", 24000)[1] for _ in range(SESSIONS)]
             pages: list[list[bytes]] = [[] for _ in range(SESSIONS)]
             for frame in range(FRAMES):
                 out = await asyncio.gather(*(codec.encode(e, audio[s][frame]) for s, e in enumerate(encoders)))
                 for s, ogg in enumerate(out):
                     pages[s].append(ogg)
-            placed = [sum(e.worker is w for e in encoders) for w in codec._workers.workers]  # type: ignore[union-attr]
+            placed = sorted(Counter(id(e.worker) for e in encoders).values())  # type: ignore[union-attr]
             return pages, codec.downlink.calls, placed, codec.worker_pids
         finally:
             codec.shutdown()
@@ -99,7 +100,7 @@ def test_decodes_within_the_window_share_a_call_and_a_bad_stream_fails_alone(pro
     async def run():
         codec = CodecBatches(processes=processes)
         try:
-            decoders = [codec.decoder(24000) for _ in range(SESSIONS)]
+            decoders = [codec.streams("fast", 24000)[0] for _ in range(SESSIONS)]
             bad = SESSIONS - 1
 
             async def one(s: int, frame: int, delay: float):
@@ -149,8 +150,8 @@ def test_a_worker_that_dies_fails_only_its_streams_and_is_replaced():
     async def run():
         codec = CodecBatches(processes=2)
         try:
-            first, second = codec.encoder("fast", 24000), codec.encoder("fast", 24000)
-            assert first.worker is not second.worker  # type: ignore[union-attr]
+            (up, first), (_, second) = codec.streams("fast", 24000), codec.streams("fast", 24000)
+            assert first.worker is not second.worker and up.worker is first.worker  # type: ignore[union-attr]
             await asyncio.gather(codec.encode(first, frame), codec.encode(second, frame))
             victim = first.worker.pid  # type: ignore[union-attr]
             os.kill(victim, signal.SIGKILL)
@@ -158,7 +159,7 @@ def test_a_worker_that_dies_fails_only_its_streams_and_is_replaced():
                 codec.encode(first, frame), codec.encode(second, frame), return_exceptions=True
             )
             again = await asyncio.gather(codec.encode(first, frame), return_exceptions=True)
-            fresh = codec.encoder("fast", 24000)  # goes to the replacement, which is empty
+            fresh = codec.streams("fast", 24000)[1]  # goes to the replacement, which is empty
             new_bytes = await codec.encode(fresh, frame)
             return died, survived, again[0], new_bytes, victim, codec.worker_pids
         finally:

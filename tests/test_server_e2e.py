@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -599,6 +602,75 @@ def test_killed_client_frees_its_slot(server):
             proc.kill()
     server.wait_idle()
     assert server.get("/ready").json()["admissible_sessions"] == 4
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`: the server's codec workers."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+    return sorted(out)
+
+
+async def _stream_until_end(ws, frames: int) -> tuple[int, str | None, int | None]:
+    """Send `frames` frames of Opus at 20 ms a frame; (audio messages received, error message, close code)."""
+    writer, audio = sphn.OpusStreamWriter(RATE), tone(frames)
+
+    async def send():
+        with contextlib.suppress(ConnectionClosed):
+            for i in range(frames):
+                ogg = writer.append_pcm(audio[i * FRAME : (i + 1) * FRAME])
+                if ogg:
+                    await ws.send(b"\x01" + ogg)
+                await asyncio.sleep(0.02)
+
+    sender, received, error = asyncio.create_task(send()), 0, None
+    try:
+        while received < frames - 1:
+            msg = await asyncio.wait_for(ws.recv(), 20)
+            if msg[0] == 1:
+                received += 1
+            elif msg[0] == 5:
+                error = msg[1:].decode()
+    except ConnectionClosed as e:
+        return received, error, e.rcvd.code if e.rcvd else None
+    finally:
+        await sender
+    return received, error, None
+
+
+def test_a_dead_codec_worker_ends_only_its_sessions_and_is_replaced(server):
+    """Two sessions on the two codec workers (a session's streams share one); one worker is killed mid-stream: its
+    session gets an error message and close 1011, the other keeps its audio, and a new session works."""
+    server.wait_idle()
+    workers = _children(server.proc.pid)
+    assert len(workers) == 2, workers
+
+    async def main():
+        async with await kyutai_open(server) as a, await kyutai_open(server) as b:
+            for ws in (a, b):
+                await kyutai_greeting(ws)
+            await asyncio.gather(kyutai_exchange(a, 4), kyutai_exchange(b, 4))
+            os.kill(workers[0], signal.SIGKILL)
+            outcomes = await asyncio.gather(_stream_until_end(a, 12), _stream_until_end(b, 12))
+        async with await kyutai_open(server) as c:
+            await kyutai_greeting(c)
+            fresh = await kyutai_exchange(c, 4)
+        return outcomes, fresh
+
+    outcomes, (_, _, fresh_messages) = run(main())
+    ended = [o for o in outcomes if o[2] is not None]
+    kept = [o for o in outcomes if o[2] is None]
+    assert len(ended) == 1 and len(kept) == 1, outcomes
+    assert ended[0][2] == 1011 and "codec worker exited" in (ended[0][1] or ""), ended
+    assert kept[0] == (11, None, None)
+    assert fresh_messages == 3
+    replaced = _children(server.proc.pid)
+    assert len(replaced) == 2 and workers[0] not in replaced and workers[1] in replaced
+    assert "codec worker 0" in server.log.read_text() or "codec worker 1" in server.log.read_text()
 
 
 class _Printer:

@@ -130,16 +130,22 @@ class CodecBatches:
         """The codec worker processes (none with codec threads), for CPU accounting."""
         return [] if self._workers is None else self._workers.pids()
 
-    def encoder(self, profile: str, sample_rate: int) -> Encoder:
-        """A session's downlink stream (see `OggOpusEncoder`), made where the codec runs."""
+    def streams(self, profile: str, sample_rate: int) -> tuple[Decoder, Encoder]:
+        """A session's uplink and downlink streams (see `OggOpusDecoder`, `OggOpusEncoder`), made where the codec
+        runs: both in one worker, so a worker that dies ends the fewest sessions."""
         if self._workers is None:
-            return OggOpusEncoder(profile, sample_rate)
+            return OggOpusDecoder(sample_rate), OggOpusEncoder(profile, sample_rate)
         OggOpusEncoder.check_profile(profile)
-        return self._workers.open(sample_rate, profile)
+        worker = self._workers.emptiest()
+        return worker.open(sample_rate, None), worker.open(sample_rate, profile)
 
-    def decoder(self, sample_rate: int) -> Decoder:
-        """A session's uplink stream (see `OggOpusDecoder`), made where the codec runs."""
-        return OggOpusDecoder(sample_rate) if self._workers is None else self._workers.open(sample_rate)
+    @staticmethod
+    def release(*streams: Decoder | Encoder) -> None:
+        """A session's streams are no longer wanted: a worker's are freed now. Streams of this process are left to
+        go with their last reference: one may still be in a codec thread's batch."""
+        for stream in streams:
+            if isinstance(stream, RemoteStream):
+                stream.close()
 
     async def encode(self, encoder: Encoder, pcm: np.ndarray) -> bytes:
         """Ogg pages of one output frame, encoded with the rest of this step's frames."""

@@ -32,6 +32,7 @@ from .admission import serve
 from .build_info import BUILD_INFO
 from .closing import Close, CloseCode
 from .codec.errors import AudioError
+from .codec.workers import CodecWorkerError
 from .codec_batches import CodecBatches
 from .context import Context, ServerContext
 from .persona import KYUTAI, Persona, PersonaRefused, Personas
@@ -50,7 +51,7 @@ class KyutaiAdapter(Adapter):
     ) -> None:
         super().__init__(ws)
         self.codec = codec
-        self.decoder, self.encoder = codec.decoder(sample_rate), codec.encoder(opus_profile, sample_rate)
+        self.decoder, self.encoder = codec.streams(opus_profile, sample_rate)
         self.personas = personas
         self.persona: Persona | None = None  # set from the query (PersonaPlex's defaults where it has voices)
         self.transcribe_prompt: str | None = None  # set from the query: the client asked for its transcripts
@@ -97,11 +98,16 @@ class KyutaiAdapter(Adapter):
             return None
         try:
             return await self.codec.decode(self.decoder, msg.payload)
+        except CodecWorkerError as e:  # the server's fault, not the audio's
+            raise Close(CloseCode.INTERNAL_ERROR, "codec_failed", str(e)) from None
         except AudioError as e:
             raise Close(CloseCode.INVALID_PAYLOAD, "invalid_audio", str(e)) from None
 
     async def send_output(self, out: SessionOutput) -> None:
-        ogg = await self.codec.encode(self.encoder, out.pcm)
+        try:
+            ogg = await self.codec.encode(self.encoder, out.pcm)
+        except CodecWorkerError as e:
+            raise Close(CloseCode.INTERNAL_ERROR, "codec_failed", str(e)) from None
         async with self.send_lock:
             if ogg:
                 await self.ws.send_bytes(protocol.audio(ogg))
@@ -175,4 +181,7 @@ async def chat(ws: WebSocket, ctx: Context) -> None:
         if unavailable:
             await adapter.send_bytes(protocol.transcription_unavailable(unavailable))
 
-    await serve(ctx, adapter, None, adapter.parameters, greet)
+    try:
+        await serve(ctx, adapter, None, adapter.parameters, greet)
+    finally:
+        ctx.codec.release(adapter.decoder, adapter.encoder)

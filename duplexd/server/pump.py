@@ -199,7 +199,9 @@ class Pump:
             self._sending_since = now
             try:
                 await self.adapter.send_output(out)
-            except Exception as e:  # noqa: BLE001 - the transport is gone; any error means the same
+            except Close:  # the adapter ends the session (its output cannot be made)
+                raise
+            except Exception as e:  # noqa: BLE001 - the transport is gone; any other error means the same
                 raise Disconnected(str(e)) from None
             self._sending_since = None
 

@@ -7,7 +7,7 @@ workers scale with the cores; sphn, the fallback without libopus, holds the GIL 
 
 A worker is a fresh interpreter (`python -m duplexd.server.codec.workers FD`, importing only the codec: not the
 server's `__main__`, as multiprocessing's spawn would) running `serve` on one end of a socket pair. Each request
-is one batch: the ids of streams to free, then ops (encode or decode) for streams it owns; each reply is the ops'
+is one batch: ops (encode or decode) for streams it owns, then the ids of streams to free; each reply is the ops'
 results in order. A stream is made in its worker by its first op and stays there (`RemoteStream` pins it); its
 handle going away frees it with the worker's next batch. A worker that dies fails the batch in flight and every
 stream it held with `CodecWorkerError` (an `AudioError`: those sessions end with an error message, the others go
@@ -51,12 +51,13 @@ class RemoteStream:
     id: int
     sample_rate: int
     profile: str | None = None  # an encoder's Opus profile; None for a decoder
-    _freed: bool = field(default=False, repr=False)
+    closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
-        """Free the stream's state in its worker (with the worker's next batch); idempotent."""
-        if not self._freed:
-            self._freed = True
+        """Free the stream's state in its worker (with the worker's next batch); idempotent. Safe while a batch
+        with its op is in flight: a worker runs a message's ops before its frees."""
+        if not self.closed:
+            self.closed = True
             self.worker.forget(self)
 
     def __del__(self) -> None:
@@ -78,11 +79,7 @@ def serve(conn: Connection) -> None:
             return
         if not request:
             return
-        freed, ops = pickle.loads(request)
-        for stream_id in freed:
-            stream = streams.pop(stream_id, None)
-            if stream is not None:
-                stream.close()
+        ops, freed = pickle.loads(request)
         replies: list[Reply] = []
         for stream_id, profile, sample_rate, payload in ops:
             try:
@@ -96,6 +93,10 @@ def serve(conn: Connection) -> None:
                     replies.append((True, stream.decode(payload)))
             except Exception as e:  # noqa: BLE001 - handed back to the one request that made it
                 replies.append((False, (str(e), isinstance(e, AudioError))))
+        for stream_id in freed:  # after the ops: a stream closed while its last op was on the way
+            stream = streams.pop(stream_id, None)
+            if stream is not None:
+                stream.close()
         conn.send_bytes(pickle.dumps(replies, pickle.HIGHEST_PROTOCOL))
 
 
@@ -142,13 +143,15 @@ class CodecWorker:
         out: list[tuple[bool, Any]] = [(False, None)] * len(ops)
         live = []
         for i, (stream, _) in enumerate(ops):
-            if stream.generation == generation:
-                live.append(i)
-            else:
+            if stream.closed:
+                out[i] = (False, ValueError("the audio stream is closed"))
+            elif stream.generation != generation:
                 out[i] = (False, CodecWorkerError("the codec worker holding this audio stream exited"))
-        freed = [self._freed.popleft() for _ in range(len(self._freed))]
+            else:
+                live.append(i)
         request = [(ops[i][0].id, ops[i][0].profile, ops[i][0].sample_rate, ops[i][1]) for i in live]
-        message = pickle.dumps((freed, request), pickle.HIGHEST_PROTOCOL)
+        freed = [self._freed.popleft() for _ in range(len(self._freed))]  # after the ops (see RemoteStream.close)
+        message = pickle.dumps((request, freed), pickle.HIGHEST_PROTOCOL)
         with self._lock:
             try:
                 if self.generation != generation:
@@ -206,8 +209,9 @@ class CodecWorkers:
     def __init__(self, count: int) -> None:
         self.workers = [CodecWorker(i) for i in range(count)]
 
-    def open(self, sample_rate: int, profile: str | None = None) -> RemoteStream:
-        return min(self.workers, key=lambda w: w.streams).open(sample_rate, profile)
+    def emptiest(self) -> CodecWorker:
+        """The worker for a new session's streams: the one holding the fewest."""
+        return min(self.workers, key=lambda w: w.streams)
 
     def pids(self) -> list[int]:
         return [pid for w in self.workers if (pid := w.pid) is not None]
