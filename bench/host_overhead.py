@@ -296,7 +296,7 @@ def read_counters(path: Path) -> tuple[int, int, int]:
 
 
 def start_server(
-    port: int, max_sessions: int, step_ms: float, log: Path, counters: Path, codec_processes: int = 0
+    port: int, max_sessions: int, step_ms: float, log: Path, counters: Path, serve_args: list[str]
 ) -> subprocess.Popen:
     cmd = [
         sys.executable,
@@ -309,7 +309,7 @@ def start_server(
         str(port),
         "--max-sessions",
         str(max_sessions),
-        *(["--codec-processes", str(codec_processes)] if codec_processes else []),
+        *serve_args,
         "--max-pending-frames",
         "250",
         "--max-output-frames",
@@ -511,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--codec-processes", type=int, default=0, help="serve with codec worker processes (their CPU counts as codec)"
     )
+    parser.add_argument("--opus-profile", default="fast", choices=("fast", "kyutai"), help="the Kyutai downlink")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip py-spy")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--py-spy", default=str(Path(sys.executable).with_name("py-spy")))
@@ -533,9 +534,10 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         os.environ["HOST_OVERHEAD_COUNTERS"] = str(tmp / "counters.bin")
-        server = start_server(
-            port, max(counts), args.step_ms, tmp / "server.log", tmp / "counters.bin", args.codec_processes
-        )
+        serve_args = ["--opus-profile", args.opus_profile]
+        if args.codec_processes:
+            serve_args += ["--codec-processes", str(args.codec_processes)]
+        server = start_server(port, max(counts), args.step_ms, tmp / "server.log", tmp / "counters.bin", serve_args)
         summaries = []
         try:
             for protocol in protocols:
