@@ -31,7 +31,7 @@ from duplexd.engine.dialogue.engine import (
 )
 from duplexd.engine.errors import InputRefused
 from duplexd.engine.kv.dtypes import KV_DTYPES
-from duplexd.engine.models.config import MIMI_PRESETS, PRESETS, LMConfig
+from duplexd.engine.models.config import MIMI_PRESETS, PRESET_MIMI, PRESETS, LMConfig
 from duplexd.engine.models.int8_weights import WEIGHT_DTYPES
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
 from duplexd.engine.weights.checkpoint import build_lm, int8_plan, read_lm_config
@@ -40,8 +40,6 @@ GiB = 2**30
 CUDA_CONTEXT = GiB  # the CUDA context, cuBLAS workspaces and loaded kernels, before the engine sizes its pool
 SEARCH_LIMIT = 1 << 16  # sessions: the answer is "at least this" beyond it
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# The Mimi each LM preset speaks through (as `duplexd serve --random-weights`).
-PRESET_MIMI = {"moshi-7b": "mimi", "demo": "demo"}
 
 
 def parse_size(text: str) -> int:
@@ -155,7 +153,7 @@ def capacity(
         mimi_weights=mimi_weights,
         cuda_context=context,
         headroom=CUDA_HEADROOM,
-        mimi_streams=MimiStreams.state_bytes(mimi, sessions) if sessions else 0,
+        mimi_streams=MimiStreams.state_bytes(mimi, sessions, decoder=not cfg.text_only) if sessions else 0,
         kv_page=page,
         kv_window=per_session * page,
         kv_pages=pages,

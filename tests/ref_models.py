@@ -101,3 +101,40 @@ def quantized_reference(lm: RefLMModel, text_head: bool = True) -> tuple[RefLMMo
             assert isinstance(q, QLinear)
             module.weight.copy_(q.weight.float() * q.weight_scb[:, None] / 127)
     return q8.eval(), dequantized.eval()
+
+
+@torch.no_grad()
+def sharpen_attention_(lm: RefLMModel, factor: float = 2.0) -> RefLMModel:
+    """Scale the temporal layers' query projections by `factor`: peaked attention, so a key attended that should
+    not be (or one left out: a wrong window or lag) moves the outputs well past float noise."""
+    for layer in lm.transformer.layers:
+        for proj in layer.self_attn.in_projs:
+            proj.weight[: lm.dim].mul_(factor)
+    return lm
+
+
+class ReferenceStt:
+    """One reference STT conversation at batch 1: moshi's `LMGen(temp=0, temp_text=0).step_with_extra_heads` fed the
+    previous frame's codes at each step and frame 0 at step 0 (`moshi.run_inference`'s frame 0 twice). `step` takes
+    the frame duplexd gets at the same step, so both sides are fed the same list."""
+
+    def __init__(self, lm: RefLMModel) -> None:
+        from moshi.models.lm import LMGen as RefLMGen
+
+        self.lm = copy.deepcopy(lm)  # a reference model streams one conversation at a time
+        self.gen = RefLMGen(self.lm, temp=0, temp_text=0)
+        self.text_logits: list[torch.Tensor] = []
+        self.gen.on_text_logits_hook = self.text_logits.append
+        self.gen.streaming_forever(1)
+        self.previous: torch.Tensor | None = None
+
+    def step(self, codes: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """codes [n_q] → (text token, text logits [text_card], each extra head's class-0 probability [heads])."""
+        fed = codes if self.previous is None else self.previous
+        self.previous = codes
+        self.text_logits.clear()
+        out = self.gen.step_with_extra_heads(fed[None, :, None])
+        assert out is not None  # no delays: every step answers
+        tokens, heads = out
+        pause = torch.stack([h[0, 0, 0] for h in heads]) if heads else torch.zeros(0)
+        return int(tokens[0, 0, 0]), self.text_logits[0][0, 0, 0], pause

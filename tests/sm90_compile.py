@@ -3,7 +3,8 @@
 The interpreter the unit tests use does not specialise arguments; the GPU compiler does (an int argument equal to
 1 becomes a compile-time constant, ints divisible by 16 and 16-byte-aligned pointers get hints), so a kernel can
 pass every interpreter test and still fail to compile for the engine. This script installs a stand-in driver
-that reports an sm_90 device, steps `LMGen` over a Moshi 7B model with bf16 and with int8 weights on the `meta`
+that reports an sm_90 device, steps `LMGen` over a Moshi 7B model with bf16 and with int8 weights, and over Kyutai
+STT 2.6B (head dim 64, batches up to 400), on the `meta`
 device (no memory, no data; a meta view's `data_ptr()` is its byte offset, so alignment hints come out as on the
 GPU) and, instead of launching, compiles each launch exactly as Triton would (specialisation, front end, ptxas)
 and records the result. Then it compiles each kernel once more with every integer argument set to 1, so an
@@ -40,6 +41,10 @@ import torch
 
 SM90_SMS = 132  # streaming multiprocessors of an H200 (and an H100 SXM)
 BATCHES = (1, 3, 64)  # a single session, an odd (unbucketed) batch, a large bucket
+# Kyutai STT 2.6B (head dim 64, no DepFormer): the step at a bucket of hundreds too, its 8-bit pool at that bucket only.
+STT_PRESET = "stt-2.6b"
+STT_BATCHES = (1, 3, 64, 400)
+STT_KV_DTYPES = {"bf16": STT_BATCHES, "int8": (400,)}
 ONES = "every int argument = 1"
 WEIGHTS_DTYPES = ("bf16", "int8")  # int8 weights run with a bf16 pool only: the KV formats' kernels are the same
 
@@ -215,6 +220,31 @@ def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | Non
             if gen.kv.k_scales is not None:
                 drive_standalone_store(recorder, gen.kv, batch)
         drive_prefill(recorder, cfg, kv_dtype, weights)
+    drive_stt(recorder, layers)
+
+
+def stt_context(batch: int, kv_dtype: str) -> str:
+    return f"LMGen.step {STT_PRESET} B={batch}" + _suffix(kv_dtype, "bf16")
+
+
+def drive_stt(recorder: Recorder, layers: int | None) -> None:
+    """`LMGen.step` of Kyutai STT 2.6B (head dim 64, text only) at `STT_KV_DTYPES`' batches, bf16 weights."""
+    from duplexd.engine.dialogue.lm_gen import LMGen
+    from duplexd.engine.models.config import PRESETS
+    from duplexd.engine.weights.checkpoint import build_lm
+    from duplexd.kernels.dispatch import force_triton
+
+    cfg = PRESETS[STT_PRESET]
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
+    model = build_lm(cfg, device="meta", dtype=torch.bfloat16)
+    for kv_dtype, batches in STT_KV_DTYPES.items():
+        for batch in batches:
+            gen = LMGen(model, num_slots=batch, kv_dtype=kv_dtype)
+            user_codes = torch.zeros(batch, cfg.num_user_codebooks, dtype=torch.long, device="meta")
+            recorder.context = stt_context(batch, kv_dtype)
+            with force_triton():
+                gen.step(torch.arange(batch, device="meta"), user_codes)
 
 
 def store_context(batch: int, kv_dtype: str) -> str:
@@ -287,6 +317,7 @@ def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: 
         "target": "sm_90a",
         "sms": sms,
         "batches": list(batches),
+        "stt": {"preset": STT_PRESET, "kv_batches": {k: list(v) for k, v in STT_KV_DTYPES.items()}},
         "kv_dtypes": list(KV_DTYPES),
         "weights_dtypes": list(WEIGHTS_DTYPES),  # int8 weights: with a bf16 pool (`step_context(b, "bf16", "int8")`)
         "layers": layers,

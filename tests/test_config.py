@@ -9,7 +9,7 @@ import pytest
 from moshi.models import loaders
 
 from duplexd.engine.errors import CheckpointError
-from duplexd.engine.models.config import DEMO, MOSHI_7B, PERSONAPLEX_7B, ConfigError, LMConfig
+from duplexd.engine.models.config import DEMO, MOSHI_7B, PERSONAPLEX_7B, STT_1B, STT_2_6B, ConfigError, LMConfig
 from duplexd.engine.weights.checkpoint import checkpoint_ring_rule, read_lm_config
 from duplexd.engine.weights.config_file import lm_config_from_dict
 
@@ -58,7 +58,7 @@ def test_unreadable_config(tmp_path):
     with pytest.raises(CheckpointError, match="not valid JSON"):
         read_lm_config(tmp_path / "bad.json")
     with pytest.raises(ConfigError):
-        LMConfig(dep_q=0)
+        LMConfig(dep_q=17)
 
 
 # config.json shapes of published checkpoints (sizes and keys as Kyutai's and NVIDIA's configs state them).
@@ -184,10 +184,10 @@ ACCEPTED = {
     "moshi-7b-demux-off": MOSHI_7B,
     "personaplex-7b": MOSHI_7B,
     "personaplex-7b-fork-defaults": dataclasses.replace(PERSONAPLEX_7B, ring_rule="moshi"),
+    "stt-1b-en_fr": STT_1B,
+    "stt-2.6b-en": STT_2_6B,
 }
 REFUSED = {
-    "stt-1b-en_fr": ("'extra_heads_num_heads'=4", "Kyutai STT"),
-    "stt-2.6b-en": ("'dep_q'=0", "Kyutai STT"),
     "tts-1.6b-en_fr": ("'depformer_low_rank_embeddings'=128", "Kyutai TTS"),
     "hibiki-1b": ("'conditioners'={'description'", "Hibiki"),
     "hibiki-zero-3b": ("'positional_embedding'='rope_concat'", "Hibiki-Zero"),

@@ -1,5 +1,6 @@
 """A whole frame step (Mimi encode → temporal step → DepFormer → Mimi decode) makes no host sync and no CPU
-tensor, checked without a GPU: Moshi 7B (bf16 weights, and int8 ones through the W8A16 kernel) and the real Mimi on
+tensor, checked without a GPU: Moshi 7B (bf16 weights, and int8 ones through the W8A16 kernel), Kyutai STT 1B
+(encode and temporal step only) and the real Mimi on
 the `meta` device with the Triton path forced and its launches made no-ops (a meta tensor has no data, so anything
 that reads a value back shows up)."""
 
@@ -100,6 +101,40 @@ def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(request, meta_models, n
     assert no_launch.count("_w8a16_kernel") == (projections if weights == "int8" else 0)
     assert out.valid == [False, True, True, True]  # from the pipeline's own counts, not read back
     assert out.pcm.shape == (4, pipeline.frame_size) and out.tokens.shape == (4, 1 + cfg.dep_q)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", ["exact-batch", "padded-to-bucket", "graphs-before-capture"])
+def test_stt_frame_step_makes_no_host_sync_and_runs_no_decoder(monkeypatch, no_launch, mode, kv_dtype):
+    """Kyutai STT 1B (dep_q = 0, 32 codebooks in, 4 extra heads) with Mimi at 32 codebooks: the frame is Mimi's
+    encoder and the temporal step, host-free; neither the DepFormer nor Mimi's decoder runs (it has no state)."""
+    lm = build_lm(PRESETS["stt-1b"], device="meta", dtype=torch.bfloat16)
+    mimi = MimiModel(MIMI_PRESETS["mimi-32"]).to("meta")
+
+    def never(*args, **kwargs):
+        raise AssertionError("a text-only frame ran Mimi's decoder")
+
+    monkeypatch.setattr(MimiModel, "decode_frame", never)
+    pipeline = Pipeline(
+        lm,
+        mimi,
+        num_slots=6,
+        buckets=(1, 2, 4, 6),
+        pad=mode != "exact-batch",
+        graphs=mode == "graphs-before-capture",
+        kv_dtype=kv_dtype,
+    )
+    assert not pipeline.mimi.has_decoder
+    for slot, position in ((0, 0), (2, 1), (3, 749), (5, 2000)):  # first step, second, full and wrapped window
+        pipeline.seek(slot, position)
+    shape = (4, pipeline.frame_size)
+    pcm = torch.zeros(shape, device="meta") if mode == "exact-batch" else np.zeros(shape, np.float32)
+    with force_triton(), HostWork() as host:
+        out = pipeline.step([0, 2, 3, 5], pcm)
+    assert not host.ops, "host work inside the frame step:\n" + "\n".join(map(str, host.ops))
+    assert out.valid == [True] * 4  # no delays: every step answers, from the first
+    assert out.pcm.shape == (4, 0) and out.tokens.shape == (4, 1) and out.pause.shape == (4, 4)
+    assert "_split_kernel" in no_launch  # the temporal step ran its paged attention
 
 
 def test_the_public_mimi_calls_check_their_arguments_the_frame_calls_do_not(meta_models):

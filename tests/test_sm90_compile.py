@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.sm90_compile import ONES, engine_variants, step_context, store_context
+from tests.sm90_compile import ONES, engine_variants, step_context, store_context, stt_context
 
 HELPER = Path(__file__).with_name("sm90_compile.py")
 
@@ -120,3 +120,26 @@ def test_int8_weights_compile_the_w8a16_kernel_at_every_batch_without_spills(rep
     assert want <= seen, sorted(seen)
     assert any(c.startswith("LMGen.prefill") for c in seen), sorted(seen)
     assert all(c.endswith("weights=int8") for c in seen), sorted(seen)
+
+
+def test_stt_compiles_at_head_dim_64_up_to_hundreds_of_rows(report):
+    """Kyutai STT 2.6B (32 heads of 64, no DepFormer): its step compiles the decode attention at BLOCK_D=64, RoPE
+    (alone with a bf16 pool, fused with the 8-bit store with an int8 one) and the text sampling, at every batch it
+    is driven at (up to a bucket of 400 sessions), without errors or spills."""
+    stt = report["stt"]
+    want = {stt_context(b, kv) for kv, batches in stt["kv_batches"].items() for b in batches}
+    by_kernel: dict[str, set[str]] = {}
+    for v in engine_variants(report):
+        stt_contexts = {c for c in v["contexts"] if c in want}
+        if not stt_contexts:
+            continue
+        assert not v["error"], f"{_describe(v)}:\n{v['error']}"
+        assert v["spill_stores"] + v["spill_loads"] == 0, _describe(v)
+        if v["kernel"] == "_split_kernel":
+            assert "BLOCK_D=64" in v["signature"].split(), _describe(v)
+        by_kernel.setdefault(v["kernel"], set()).update(stt_contexts)
+    assert by_kernel.get("_split_kernel") == want, sorted(by_kernel.get("_split_kernel", ()))
+    assert by_kernel.get("_rope_qk_kernel") == {c for c in want if "kv=" not in c}
+    assert by_kernel.get("_rope_kv_store_kernel") == {c for c in want if "kv=int8" in c}
+    assert by_kernel.get("_sample_kernel") == want
+    assert not {k for k in by_kernel if "w8a16" in k}

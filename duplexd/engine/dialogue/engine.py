@@ -4,7 +4,8 @@
 sampling parameters) is indexed by slot, so joining and leaving never reallocate. The loop is three calls on plain
 data: the scheduler plans a step (`Scheduler.plan`: slots to reset, sampling updates, a batch of one frame per
 session with input), the runner executes it (`Runner.execute`: Mimi encode → temporal step → DepFormer → Mimi
-decode, outputs copied back), and the scheduler hands the result to the sessions (`Scheduler.finish`).
+decode, outputs copied back; a text-only STT model stops after the temporal step and its text token), and the
+scheduler hands the result to the sessions (`Scheduler.finish`).
 
 All of the engine's torch work (warm-up, graph capture, steps) runs on the loop thread with `threads` intra-op
 threads. On CPU, keep other long-lived threads that use torch at one intra-op thread (`torch.set_num_threads(1)`
@@ -137,7 +138,7 @@ def pool_pages(lm: LMModel, mimi: MimiModel, config: EngineConfig, per_session: 
         measured = free is None
         if free is None:
             free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        streams = MimiStreams.state_bytes(mimi, config.max_sessions)
+        streams = MimiStreams.state_bytes(mimi, config.max_sessions, decoder=not lm.cfg.text_only)
         pages = min(wanted, max(free - streams - CUDA_HEADROOM, 0) // page)
         logger.log(
             logging.INFO if measured else logging.DEBUG,

@@ -23,14 +23,19 @@ logger = logging.getLogger(__name__)
 Fn = Callable[..., tuple[torch.Tensor, ...]]
 
 
+# Past this, buckets grow by this many rows instead of doubling: hundreds of STT streams pad by at most 63 rows.
+LINEAR_BUCKETS_FROM = 64
+
+
 def default_buckets(max_batch: int) -> tuple[int, ...]:
-    """Powers of two below `max_batch`, then `max_batch` itself: 1, 2, 4, …, max."""
+    """Powers of two up to 64, then every multiple of 64 below `max_batch`, then `max_batch` itself: 1, 2, 4, …,
+    64, 128, 192, …, max (the same as powers of two up to 128 sessions)."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     out, b = [], 1
     while b < max_batch:
         out.append(b)
-        b *= 2
+        b = b * 2 if b < LINEAR_BUCKETS_FROM else b + LINEAR_BUCKETS_FROM
     return (*out, max_batch)
 
 

@@ -20,6 +20,10 @@ persona prompt (forced frames, nothing sampled: `prompt` one forward per frame a
 many frames of several slots in one forward), and the user's codes for frame n go
 to column n + 1 + delay, so the model reads them one frame later than Moshi does. A forced mark on a ring entry
 keeps its value in place of the sampled one (the agent's delayed codebooks right after the prompt).
+
+A text-only model (Kyutai STT, `LMConfig.text_only`) samples the text token alone, reads the user's codes one
+frame later as PersonaPlex does (`LMConfig.user_lag`: step n reads user frame n - 1, step 0 the initial tokens,
+moshi-server's convention), and its step also gives its extra heads' pause probabilities (`StepOutput.pause`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from duplexd.kernels.sampling import sample
 from duplexd.kernels.text_penalties import repetition_penalty
 
 from ..kv.paged import PagedKVCache, window_pages
-from ..models.lm import LMModel
+from ..models.lm import DepformerOutput, LMModel
 from ..persona.prompt import PersonaPrompt, PromptChunk
 from .sampling import MAX_REPETITION_CONTEXT, SamplingParams
 
@@ -45,6 +49,7 @@ UNGENERATED = -2
 class StepOutput:
     tokens: torch.Tensor  # [B, 1 + agent_codebooks]: text, then audio codebooks; UNGENERATED where not valid
     valid: torch.Tensor  # [B] bool: False while the slot is still warming up its delays
+    pause: torch.Tensor  # [B, extra heads] fp32: each extra head's class-0 probability ([B, 0] without heads)
     text_logits: torch.Tensor | None = None  # [B, text_card], for the raw (unaligned) step
     audio_logits: torch.Tensor | None = None  # [B, agent_codebooks, card]
 
@@ -68,9 +73,9 @@ class LMGen:
         cfg = model.cfg
         device = model.text_emb.device
         self.model, self.cfg, self.num_slots = model, cfg, num_slots
-        # PersonaPlex reads the user's audio one frame later than Moshi: its codes for frame n go to column
-        # n + 1 + delay (see `prompt`).
-        self.user_lag = 1 if cfg.predicts_user_audio else 0
+        # PersonaPlex and STT read the user's audio one frame later than Moshi: its codes for frame n go to column
+        # n + 1 + delay (`LMConfig.user_lag`).
+        self.user_lag = cfg.user_lag
         self.ring_size = cfg.max_delay + 2 + self.user_lag
         self.scratch_slot = rows = num_slots
         rows += 1
@@ -161,8 +166,11 @@ class LMGen:
         positions,
         want_logits: bool = False,
     ):
-        """Sample the text token, then run the DepFormer sampling each codebook: (text [B], DepformerOutput)."""
+        """Sample the text token, then run the DepFormer sampling each codebook: (text [B], DepformerOutput). A
+        text-only model has no DepFormer: no audio tokens."""
         text = self.sample_text(slots, text_logits, text_temp, text_topk, seeds, positions)
+        if self.cfg.text_only:
+            return text, DepformerOutput(text.new_empty(len(text), 0), None)
         out = self.model.forward_depformer(
             hidden,
             text,
@@ -201,6 +209,7 @@ class LMGen:
         )
         text_logits = audio_logits = None
         hidden, logits = self.model.forward_text(tokens_in, offsets, self.kv, view)
+        pause = self.model.pause_probabilities(hidden)
         text, depformer = self.depformer(slots, hidden, logits, *sampling, want_logits=return_logits)
         audio = depformer.tokens
         if return_logits:
@@ -220,7 +229,7 @@ class LMGen:
         out = ring[rows, gen_streams[None, :], read_at]
         valid = offsets > cfg.max_delay
         out = out.masked_fill(~valid[:, None], UNGENERATED)
-        return StepOutput(out, valid, text_logits, audio_logits)
+        return StepOutput(out, valid, pause, text_logits, audio_logits)
 
     def prompt_rows(self, prompt: PersonaPrompt, start: int, stop: int) -> torch.Tensor:
         """The summed input embeddings [stop - start, dim] of the prompt's forwards start..stop-1."""

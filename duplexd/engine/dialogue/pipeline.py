@@ -1,4 +1,4 @@
-"""One frame end to end for a batch of slots: Mimi encode → LM step → Mimi decode.
+"""One frame end to end for a batch of slots: Mimi encode → LM step → Mimi decode (none for a text-only model).
 
 This is the per-frame work of a conversation, shared by offline inference and the serving engine, so a file
 run through `duplexd infer` goes through exactly the path a live session does.
@@ -31,9 +31,10 @@ from .sampling import SamplingParams
 class FrameOutput:
     """One step's outputs, on the pipeline's device; views that the next step overwrites."""
 
-    pcm: torch.Tensor  # [B, frame_size] model speech; zeros where not valid
+    pcm: torch.Tensor  # [B, frame_size] model speech, zeros where not valid; [B, 0] for a text-only model
     tokens: torch.Tensor  # [B, 1 + agent_codebooks] text token then audio codes (UNGENERATED where not valid)
     valid: list[bool]  # False while the slot warms up (its first frame)
+    pause: torch.Tensor  # [B, extra heads] fp32 class-0 probabilities of the extra heads ([B, 0] without heads)
 
 
 class Pipeline:
@@ -61,8 +62,10 @@ class Pipeline:
                 f"({lm.cfg.num_user_codebooks} user codebooks of {lm.cfg.card})"
             )
         self.lm_gen = LMGen(lm, num_slots, kv, kv_dtype=kv_dtype)
-        self.mimi = MimiStreams(mimi, num_slots)
+        self.text_only = lm.cfg.text_only  # no DepFormer, no Mimi decode (and no decoder state)
+        self.mimi = MimiStreams(mimi, num_slots, decoder=not self.text_only)
         self.num_slots, self.frame_size = num_slots, mimi.cfg.frame_size
+        self.output_samples = 0 if self.text_only else self.frame_size  # samples of speech a step gives per row
         self.device = lm.text_emb.device
         self.scratch = num_slots  # the scratch slot of LMGen, its KV table and Mimi
         self._positions = [0] * num_slots  # frames each slot has stepped since its reset (host copy of LMGen's)
@@ -117,15 +120,21 @@ class Pipeline:
         """Capture the frame's CUDA graphs (one per bucket); a no-op without graphs."""
         self._frame.capture("capturing frame graphs", pool)
 
-    def frame(self, rows: Rows, decode_rows: Rows, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device work of one frame: (speech [B, frame_size], tokens [B, 1 + agent_codebooks]).
+    def frame(
+        self, rows: Rows, decode_rows: Rows, pcm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The device work of one frame: (speech [B, output_samples], tokens [B, 1 + agent_codebooks], pause
+        [B, extra heads]).
 
         `rows` are the slots stepped; `decode_rows` the same slots, or the scratch slot for a row with no output
-        yet, whose codes are UNGENERATED: decoding it into its own slot would advance that slot's decoder."""
+        yet, whose codes are UNGENERATED: decoding it into its own slot would advance that slot's decoder. A
+        text-only model decodes nothing: its speech is [B, 0]."""
         codes = self.mimi.encode_frame(rows, pcm)
         out = self.lm_gen.step(rows.index, codes)
+        if self.text_only:
+            return pcm.new_empty(len(pcm), 0), out.tokens, out.pause
         speech = self.mimi.decode_frame(decode_rows, out.tokens[:, 1:].clamp(min=0))
-        return speech.masked_fill(~out.valid[:, None], 0.0), out.tokens
+        return speech.masked_fill(~out.valid[:, None], 0.0), out.tokens, out.pause
 
     @torch.no_grad()
     def step(self, slots: Sequence[int], pcm: np.ndarray | torch.Tensor) -> FrameOutput:
@@ -150,13 +159,13 @@ class Pipeline:
             self._stage_pcm.numpy()[:batch] = pcm
             pcm = self._stage_pcm[:batch]
         if self._frame.use_graphs:  # copied from the staging buffers straight into the graph's inputs
-            speech, tokens = self._frame(rows[0], rows[1], pcm)
+            speech, tokens, pause = self._frame(rows[0], rows[1], pcm)
         else:
             rows, pcm = rows.to(self.device, non_blocking=True), pcm.to(self.device, non_blocking=True)
             if self._frame.pad:
-                speech, tokens = self._frame(rows[0], rows[1], pcm)
+                speech, tokens, pause = self._frame(rows[0], rows[1], pcm)
             else:
-                speech, tokens = self.frame(Rows(rows[0], slots), Rows(rows[1], decode_slots), pcm)
+                speech, tokens, pause = self.frame(Rows(rows[0], slots), Rows(rows[1], decode_slots), pcm)
         if self._staged is not None:
             self._staged.record()
-        return FrameOutput(speech, tokens, valid)
+        return FrameOutput(speech, tokens, valid, pause)

@@ -31,10 +31,11 @@ class StepPlan:
 class StepResult:
     """Row i answers `plan.slots[i]`; all empty when the step failed (`error`) or the plan had no batch."""
 
-    pcm: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [B, frame_size]
+    pcm: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [B, frame_size]; [B, 0]: text only
     tokens: list[list[int]] = field(default_factory=list)  # [B][1 + agent_codebooks]: text token, then audio codes
     texts: list[str] = field(default_factory=list)  # the text token's piece ("" for padding)
     valid: list[bool] = field(default_factory=list)  # False while a slot warms up: no output for that row
+    pause: np.ndarray | None = None  # float32 [B, extra heads]: their class-0 probabilities; None without heads
     bucket: int = 0  # the batch size the step ran at
     seconds: float = 0.0  # wall time of the step, the copies to the host included
     error: BaseException | None = None

@@ -32,9 +32,11 @@ class Runner:
         self.pipeline, self.kv, self.tokenizer, self.silent = pipeline, kv, tokenizer, silent
         device = pipeline.device
         pin = device.type == "cuda"
-        rows, agent = pipeline.num_slots, pipeline.lm_gen.cfg.agent_codebooks
-        self._host_pcm = torch.zeros(rows, pipeline.frame_size, pin_memory=pin)
-        self._host_tokens = torch.zeros(rows, 1 + agent, dtype=torch.long, pin_memory=pin)
+        rows, cfg = pipeline.num_slots, pipeline.lm_gen.cfg
+        self._host_pcm = torch.zeros(rows, pipeline.output_samples, pin_memory=pin)
+        self._host_tokens = torch.zeros(rows, 1 + cfg.agent_codebooks, dtype=torch.long, pin_memory=pin)
+        self._heads = cfg.extra_heads_num_heads
+        self._host_pause = torch.zeros(rows, self._heads, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
 
     def warm_up(self, slots: Sequence[int], graphs: bool) -> float:
@@ -112,24 +114,37 @@ class Runner:
         started = time.perf_counter()
         try:
             out = self.pipeline.step(plan.slots, np.stack(plan.frames))
-            pcm, tokens = self._to_host(out.pcm, out.tokens)
+            pcm, tokens, pause = self._to_host(out.pcm, out.tokens, out.pause)
             texts = [self._text(row[0]) for row in tokens]
         except Exception as e:  # noqa: BLE001 - handed to the scheduler, which ends the batch's sessions
             return StepResult(error=e)
         return StepResult(
-            pcm, tokens, texts, out.valid, self.pipeline.bucket(len(plan.slots)), time.perf_counter() - started
+            pcm,
+            tokens,
+            texts,
+            out.valid,
+            pause if self._heads else None,
+            self.pipeline.bucket(len(plan.slots)),
+            time.perf_counter() - started,
         )
 
-    def _to_host(self, pcm: torch.Tensor, tokens: torch.Tensor) -> tuple[np.ndarray, list[list[int]]]:
+    def _to_host(
+        self, pcm: torch.Tensor, tokens: torch.Tensor, pause: torch.Tensor
+    ) -> tuple[np.ndarray, list[list[int]], np.ndarray]:
         """The step's outputs on the host: one copy each (pinned, not waiting) and one wait on CUDA."""
         if self._copied is None:
-            return pcm.float().numpy().copy(), tokens.tolist()
+            return pcm.float().numpy().copy(), tokens.tolist(), pause.float().numpy().copy()
         batch = pcm.shape[0]
         self._host_pcm[:batch].copy_(pcm, non_blocking=True)
         self._host_tokens[:batch].copy_(tokens, non_blocking=True)
+        self._host_pause[:batch].copy_(pause, non_blocking=True)
         self._copied.record()
         self._copied.synchronize()
-        return self._host_pcm[:batch].numpy().copy(), self._host_tokens[:batch].tolist()
+        return (
+            self._host_pcm[:batch].numpy().copy(),
+            self._host_tokens[:batch].tolist(),
+            self._host_pause[:batch].numpy().copy(),
+        )
 
     def _text(self, token: int) -> str:
         if token in self.silent or self.tokenizer is None or token < 0:

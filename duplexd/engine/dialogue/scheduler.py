@@ -254,8 +254,15 @@ class Scheduler:
                 output = None
                 if result.valid[row] and not session.closed:
                     text, *audio = result.tokens[row]
+                    pause = None if result.pause is None else tuple(float(p) for p in result.pause[row])
                     output = SessionOutput(
-                        session.frames_out, result.pcm[row], text, result.texts[row], tuple(audio), plan.arrivals[row]
+                        session.frames_out,
+                        result.pcm[row],
+                        text,
+                        result.texts[row],
+                        tuple(audio),
+                        plan.arrivals[row],
+                        pause,
                     )
                     self.frames_out += 1
                 dropped += session.stepped(output)

@@ -33,12 +33,19 @@ from .sampling import SamplingParams
 
 @dataclass(frozen=True)
 class SessionOutput:
+    """One step's answer. A text-only model (Kyutai STT) gives no speech (`pcm` empty, no `audio_tokens`); its
+    output for input frame n is the step that read frame n - 1 (`LMConfig.user_lag`), so output 0 answers no audio
+    yet, as moshi-server's first step does."""
+
     frame: int  # index of the output frame in this session (0, 1, ...)
-    pcm: np.ndarray  # float32 [frame_size]: the model's speech for this frame
+    pcm: np.ndarray  # float32 [frame_size]: the model's speech for this frame ([0] for a text-only model)
     text_token: int
     text: str  # "" for padding tokens, else the token's text with "▁" as a space (what the reference sends)
     audio_tokens: tuple[int, ...] = ()  # the model's audio codes for this frame (agent_codebooks of them)
     arrival: float = 0.0  # time.monotonic() when the input frame of the step that produced this was pushed
+    # Each extra head's probability of a pause (class 0; Kyutai STT 1B's semantic VAD, heads for pauses of 0.5, 1,
+    # 2 and 3 s); None for a model without extra heads.
+    pause: tuple[float, ...] | None = None
 
 
 class SessionHost(Protocol):

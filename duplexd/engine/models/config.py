@@ -32,7 +32,12 @@ def gated_hidden(dim: int, dim_feedforward: int) -> int:
 
 @dataclass(frozen=True)
 class LMConfig:
-    """The Moshi LM: temporal transformer over 1 text + `n_q` audio streams, and the DepFormer."""
+    """The Moshi LM: temporal transformer over 1 text + `n_q` audio streams, and the DepFormer.
+
+    `dep_q = 0` is a text-only model (Kyutai STT): no DepFormer, every audio stream is the user's. Its optional
+    `extra_heads_num_heads` heads (`Linear(dim, extra_heads_dim)` on the post-`out_norm` hidden state, softmaxed)
+    are the 1B's semantic VAD: class 0 is the probability of a pause.
+    """
 
     dim: int = 4096
     text_card: int = 32000
@@ -51,6 +56,8 @@ class LMConfig:
     depformer_num_heads: int = 16
     depformer_num_layers: int = 6
     delays: tuple[int, ...] = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+    extra_heads_num_heads: int = 0
+    extra_heads_dim: int = 6
     # Not a reference key: which ring KV cache the checkpoint's own server runs, chosen by the loader. "moshi"
     # (moshi 0.2.13) attends all `context` keys once the window is full; "personaplex" (NVIDIA's fork, which carries
     # moshi's older ring cache) gives the oldest entry a future position, so it attends `context - 1`.
@@ -64,12 +71,14 @@ class LMConfig:
             raise ConfigError("dim and depformer_dim must be divisible by their head counts")
         if self.head_dim % 2:
             raise ConfigError(f"head dim {self.head_dim} must be even for RoPE")
-        if not 0 < self.dep_q <= self.n_q:
-            raise ConfigError(f"dep_q={self.dep_q} must be in 1..n_q={self.n_q}")
+        if not 0 <= self.dep_q <= self.n_q:
+            raise ConfigError(f"dep_q={self.dep_q} must be in 0..n_q={self.n_q}")
         if self.predicts_user_audio and self.n_q % 2:
             raise ConfigError(f"dep_q = n_q = {self.n_q} (PersonaPlex) needs an even n_q: half agent, half user")
-        if self.num_user_codebooks > self.agent_codebooks:
+        if not self.text_only and self.num_user_codebooks > self.agent_codebooks:
             raise ConfigError("more user codebooks than model codebooks is not supported")
+        if self.extra_heads_num_heads < 0 or self.extra_heads_dim < 1:
+            raise ConfigError("extra_heads_num_heads must be >= 0 and extra_heads_dim >= 1")
         if self.context < 1:
             raise ConfigError("context must be positive")
         if self.ring_rule not in RING_RULES:
@@ -116,6 +125,23 @@ class LMConfig:
         follows PersonaPlex's streaming rules (a persona prompt, and the user's audio read one frame later).
         """
         return self.dep_q == self.n_q
+
+    @property
+    def text_only(self) -> bool:
+        """No DepFormer (`dep_q == 0`: Kyutai STT): the model writes text only, every audio stream is the user's,
+        and neither the DepFormer nor Mimi's decoder is run."""
+        return self.dep_q == 0
+
+    @property
+    def user_lag(self) -> int:
+        """Frames between a user frame and the step that first reads it, beyond the stream's delay.
+
+        0 for Moshi: the codes of user frame n are read at step n. 1 for PersonaPlex and for text-only models:
+        step n reads user frame n - 1 and step 0 reads the initial tokens. That is the STT convention of
+        moshi-server (Rust `asr.rs`) and of `moshi.run_inference`, which feeds moshi's Python `LMGen` frame 0
+        twice: `LMGen` fed [c0, c0, c1, c2, ...] equals duplexd fed [c0, c1, c2, ...], output for output.
+        """
+        return 1 if self.predicts_user_audio or self.text_only else 0
 
     @property
     def agent_codebooks(self) -> int:
@@ -190,7 +216,34 @@ DEMO = LMConfig(
     depformer_num_layers=2,
 )
 
-PRESETS: dict[str, LMConfig] = {"moshi-7b": MOSHI_7B, "demo": DEMO}
+# Kyutai STT (`kyutai/stt-1b-en_fr`, with the semantic-VAD heads of its `-candle` release, and `kyutai/stt-2.6b-en`):
+# text only, all 32 Mimi codebooks in, no delays, RoPE period 1e5; the 2.6B has head dim 64.
+STT_1B = LMConfig(
+    dim=2048,
+    text_card=8000,
+    n_q=32,
+    dep_q=0,
+    num_heads=16,
+    num_layers=16,
+    context=750,
+    max_period=100000.0,
+    delays=(0,) * 33,
+    extra_heads_num_heads=4,
+)
+STT_2_6B = dataclasses.replace(
+    STT_1B, text_card=4000, num_heads=32, num_layers=48, context=375, extra_heads_num_heads=0
+)
+# Tiny STT of the same architecture: several layers and heads, 32 codebooks in, 4 VAD heads, and a window of 32
+# frames (2.56 s) so that sessions run past it. `text_card` is the demo tokenizer's, as for `DEMO`.
+DEMO_STT = dataclasses.replace(STT_1B, dim=128, text_card=1000, num_heads=4, num_layers=3, context=32)
+
+PRESETS: dict[str, LMConfig] = {
+    "moshi-7b": MOSHI_7B,
+    "demo": DEMO,
+    "stt-1b": STT_1B,
+    "stt-2.6b": STT_2_6B,
+    "demo-stt": DEMO_STT,
+}
 
 
 @dataclass(frozen=True)
@@ -340,4 +393,16 @@ DEMO_MIMI = MimiConfig(
     n_q=16,
 )
 
-MIMI_PRESETS: dict[str, MimiConfig] = {"mimi": MIMI, "demo": DEMO_MIMI}
+# What STT reads: all 32 codebooks (the reference's `CheckpointInfo.get_mimi` takes max(dep_q, n_q - dep_q)).
+MIMI_32 = dataclasses.replace(MIMI, num_codebooks=32)
+DEMO_MIMI_32 = dataclasses.replace(DEMO_MIMI, n_q=32, num_codebooks=32)
+
+MIMI_PRESETS: dict[str, MimiConfig] = {"mimi": MIMI, "demo": DEMO_MIMI, "mimi-32": MIMI_32, "demo-32": DEMO_MIMI_32}
+# The Mimi preset whose codebooks each LM preset reads and writes.
+PRESET_MIMI: dict[str, str] = {
+    "moshi-7b": "mimi",
+    "demo": "demo",
+    "stt-1b": "mimi-32",
+    "stt-2.6b": "mimi-32",
+    "demo-stt": "demo-32",
+}

@@ -99,6 +99,10 @@ class LMModel(nn.Module):
         self.layers = nn.ModuleList(TemporalLayer(d, cfg.hidden) for _ in range(cfg.num_layers))
         self.out_norm = _param(d)
         self.text_head = _param(d, cfg.text_card)
+        # Kyutai STT 1B's semantic-VAD heads, [heads, dim, classes] ([in, out] per head); empty without them.
+        self.extra_heads = _param(cfg.extra_heads_num_heads, d, cfg.extra_heads_dim)
+        if cfg.text_only:  # no DepFormer parameters at all (`LMConfig.text_only`)
+            return
         self.dep_in = _param(q, d, dd)
         self.dep_text_emb = _param(cfg.text_card + 1, dd)
         self.dep_audio_emb = _param(q - 1, cfg.card + 1, dd)
@@ -163,6 +167,12 @@ class LMModel(nn.Module):
             next_norm = layers[i + 1].attn_norm if i < last else self.out_norm
             h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
         return h
+
+    def pause_probabilities(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each extra head's class-0 probability (a pause, for STT's semantic VAD) from the post-`out_norm` hidden
+        state [B, dim]: [B, extra_heads_num_heads] fp32, [B, 0] for a model without heads."""
+        logits = torch.matmul(hidden.to(self.extra_heads.dtype)[None], self.extra_heads)  # [heads, B, classes]
+        return torch.softmax(logits.float(), dim=-1)[..., 0].transpose(0, 1)
 
     def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
         """Run one sub-step per agent codebook; `sample(step, logits [B, card]) -> tokens [B]` picks each one.

@@ -576,23 +576,25 @@ class MimiStreams:
     Every state tensor has one more row, the scratch slot (`scratch_slot`): padding rows of a bucketed batch, and
     rows whose output is not wanted, step it, so they never touch a real stream. `encode_frame`/`decode_frame`
     are the host-free per-frame calls (no checks that would read device values); `encode`/`decode` check their
-    arguments first.
+    arguments first. `decoder=False` keeps no decoder state (a text-only LM, Kyutai STT, never decodes).
     """
 
-    def __init__(self, model: MimiModel, num_slots: int) -> None:
+    def __init__(self, model: MimiModel, num_slots: int, *, decoder: bool = True) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.model, self.num_slots, self.scratch_slot = model, num_slots, num_slots
         self.cfg = model.cfg
         p = next(model.parameters())
         self._encoder = _init_states(model.encoder_modules, num_slots + 1, p.device, p.dtype)
-        self._decoder = _init_states(model.decoder_modules, num_slots + 1, p.device, p.dtype)
+        self._decoder = _init_states(model.decoder_modules if decoder else [], num_slots + 1, p.device, p.dtype)
+        self.has_decoder = decoder
 
     @staticmethod
-    def state_bytes(model: MimiModel, num_slots: int) -> int:
+    def state_bytes(model: MimiModel, num_slots: int, *, decoder: bool = True) -> int:
         """Device memory the streams of `num_slots` slots take (to size other pools before allocating them)."""
         dtype = next(model.parameters()).dtype
-        states = _init_states(model.encoder_modules + model.decoder_modules, num_slots + 1, "meta", dtype)
+        roots = model.encoder_modules + (model.decoder_modules if decoder else [])
+        states = _init_states(roots, num_slots + 1, "meta", dtype)
         return sum(b.data.nbytes for bufs in states.values() for b in bufs.values())
 
     def reset(self, slot: int, *, encoder: bool = True, decoder: bool = True) -> None:
@@ -612,6 +614,8 @@ class MimiStreams:
 
     def decode_frame(self, rows: Rows, codes: torch.Tensor) -> torch.Tensor:
         """codes long [B, num_codebooks] (in 0..card-1) → pcm [B, frame_size] for `rows`; no checks, no host work."""
+        if not self.has_decoder:
+            raise ValueError("these Mimi streams keep no decoder state (decoder=False)")
         return self.model.decode_frame(codes, _Ctx(rows, self._decoder))
 
     def _rows(self, slots: torch.Tensor | Sequence[int], batch: int) -> Rows:

@@ -40,7 +40,7 @@ from ..models.int8_weights import (
 )
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel, reference_keys
-from .config_file import lm_config_from_dict
+from .config_file import SttSettings, lm_config_from_dict, stt_settings_from_dict
 from .hub import hub_file, hub_repo, resolve_file
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,10 @@ def key_map(cfg: LMConfig, naming: str, sets: int | None = None) -> list[KeyMap]
             _linear(pre + "gating.linear_out.weight", (d, cfg.hidden), dst + "w_out"),
         ]
     rows.append(KeyMap("out_norm.alpha", (1, 1, d), "out_norm"))
+    heads = cfg.extra_heads_num_heads
+    rows += [_linear(f"extra_heads.{k}.weight", (cfg.extra_heads_dim, d), "extra_heads", k) for k in range(heads)]
+    if not q:  # a text-only model (Kyutai STT): no DepFormer
+        return rows
     rows += [_linear(f"depformer_in.{k}.weight", (dd, d), step("dep_in", k), k) for k in range(q)]
     rows += [
         KeyMap(f"depformer_emb.{k}.weight", (card + 1, dd), step("dep_audio_emb", k, run - 1), k) for k in range(q - 1)
@@ -158,6 +162,16 @@ def key_map(cfg: LMConfig, naming: str, sets: int | None = None) -> list[KeyMap]
             ]
     rows += [_linear(f"linears.{k}.weight", (card, dd), step("dep_heads", k), k) for k in range(q)]
     return rows
+
+
+def extra_heads_in(keys: set[str] | list[str]) -> int:
+    """How many extra heads (`extra_heads.k.weight`, Kyutai STT 1B's semantic VAD) a reference LM checkpoint holds,
+    by its highest k (so a missing one is reported as missing)."""
+    found = [int(m.group(1)) for key in keys if (m := _HEAD_KEY.fullmatch(key))]
+    return max(found) + 1 if found else 0
+
+
+_HEAD_KEY = re.compile(r"extra_heads\.(\d+)\.weight")
 
 
 def depformer_sets(keys: set[str] | list[str]) -> int:
@@ -342,6 +356,13 @@ def load_lm_weights(model: LMModel, path: Path) -> str:
     pair must land in an int8 weight (`stored_int8` tells which projections a file holds as int8)."""
     keys = _header_keys(path)
     sets = checked_sets(model.cfg, path, keys)
+    heads = extra_heads_in(keys)
+    if heads != model.cfg.extra_heads_num_heads:
+        raise CheckpointError(
+            f"{path} holds {heads} extra heads (extra_heads.k.weight), its config declares "
+            f"extra_heads_num_heads={model.cfg.extra_heads_num_heads}"
+            + (": Kyutai's semantic-VAD heads are in the -candle release of kyutai/stt-1b-en_fr" if not heads else "")
+        )
     int8, q8 = int8_names(model), _q8_keys(keys)
     tensors = _lm_tensors(model)
 
@@ -437,6 +458,15 @@ def _config_from(raw: dict[str, Any], path: str | Path) -> LMConfig:
 def read_lm_config(path: str | Path) -> LMConfig:
     """A reference `config.json` as an `LMConfig`; `CheckpointError` naming the file when it cannot be used."""
     return _config_from(_read_config_json(path), path)
+
+
+def read_stt_settings(path: str | Path) -> SttSettings | None:
+    """A Kyutai STT `config.json`'s serving settings (`SttSettings`), None for another model's config;
+    `CheckpointError` naming the file when it cannot be used."""
+    try:
+        return stt_settings_from_dict(_read_config_json(path))
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: bad config: {e}") from None
 
 
 def lm_config_for(weights: Path, config: LMConfig | str | Path | None, weights_ref: str) -> LMConfig:

@@ -1,6 +1,8 @@
 """A reference `config.json` read as `moshi` reads it: what moshi drops or renames is dropped or renamed here,
 what duplexd implements becomes an `LMConfig`, and what would build another model is refused in one line that
-names the key, its value and the model family that uses it.
+names the key, its value and the model family that uses it. A Kyutai STT config (`model_type` "stt", dep_q 0) is an
+`LMConfig` too; what its server needs beside the LM (the text's lag, the leading silence, greedy decoding) is read
+by `stt_settings_from_dict`.
 
 moshi's `CheckpointInfo.from_hf_repo` pops the keys that name files and generation defaults, then
 `get_moshi_lm` drops `depformer_causal` (deprecated; published configs and older releases' defaults hold it),
@@ -11,6 +13,7 @@ renames `demux_second_stream` to `demux_second_text_stream` and pops the LoRA ke
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from ..models.config import REFERENCE_FIXED, ConfigError, LMConfig
@@ -24,7 +27,6 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
     "depformer_weights_per_step_schedule": None,
     "depformer_low_rank_embeddings": None,
     "demux_second_text_stream": False,
-    "extra_heads_num_heads": 0,
     "cross_attention": False,
     "conditioners": None,
     "fuser": None,
@@ -32,8 +34,8 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
     "text_card_out": None,
 }
 # Dropped as the reference drops them: files, generation defaults and metadata (`from_hf_repo`), `depformer_causal`
-# and the LoRA sizes (`get_moshi_lm`), `depformer_context` (the reference overrides it with None), the extra heads'
-# width when there are none, and training-only switches. `quantize` (Kyutai's q8 files say true) is read from the
+# and the LoRA sizes (`get_moshi_lm`), `depformer_context` (the reference overrides it with None), and
+# training-only switches. `quantize` (Kyutai's q8 files say true) is read from the
 # weights themselves: the loader finds their int8 codes and `_scb` scales.
 IGNORED = frozenset(
     {
@@ -52,7 +54,6 @@ IGNORED = frozenset(
         "lora_scaling",
         "depformer_context",
         "depformer_kv_repeat",
-        "extra_heads_dim",
         "gradient_checkpointing",
         "quantize",
     }
@@ -61,7 +62,6 @@ RENAMED = {"demux_second_stream": "demux_second_text_stream"}
 
 # The family of published checkpoints that a non-default value of a key belongs to.
 _FAMILY_OF_KEY = {
-    "extra_heads_num_heads": "Kyutai STT",
     "demux_second_text_stream": "Kyutai TTS",
     "cross_attention": "Kyutai TTS",
     "depformer_low_rank_embeddings": "Kyutai TTS",
@@ -72,11 +72,11 @@ _FAMILY_OF_KEY = {
     "positional_embedding": "Hibiki-Zero",
     "lora": "LoRA fine-tunes (fuse the adapter into the weights first)",
 }
-_FAMILY_OF_TYPE = {"stt": "Kyutai STT", "tts": "Kyutai TTS"}
+_FAMILY_OF_TYPE = {"tts": "Kyutai TTS"}
 
 
 def model_family(raw: dict[str, Any], key: str) -> str:
-    """The family a config's `key` points to: its own `model_type` (or `stt_config`/`tts_config`) when it states
+    """The family a config's `key` points to: its own `model_type` (or `tts_config`) when it states
     one, else what its conditioners condition on, else the key's own family ("" when none is known)."""
     for name, family in _FAMILY_OF_TYPE.items():
         if raw.get("model_type") == name or f"{name}_config" in raw:
@@ -87,8 +87,6 @@ def model_family(raw: dict[str, Any], key: str) -> str:
             return "Kyutai TTS"
         if "description" in conditioners:
             return "Hibiki"
-    if key == "dep_q":
-        return "Kyutai STT"
     return _FAMILY_OF_KEY.get(key, "")
 
 
@@ -100,7 +98,7 @@ def _refuse(raw: dict[str, Any], written: str, key: str, value: Any, implemented
         return ConfigError(f"config key {written!r}={shown} is not supported (duplexd implements {implemented!r})")
     return ConfigError(
         f"config key {written!r}={shown} belongs to {family} models, which duplexd does not run (it implements "
-        f"{written}={implemented!r}: Moshi and PersonaPlex)"
+        f"{written}={implemented!r}: Moshi, PersonaPlex and Kyutai STT)"
     )
 
 
@@ -120,11 +118,42 @@ def lm_config_from_dict(raw: dict[str, Any]) -> LMConfig:
                 raise _refuse(raw, named[key], key, value, allowed)
         elif key not in IGNORED:
             raise ConfigError(f"unknown LM config key {key!r} (the reference `moshi` does not take it either)")
-    if kwargs.get("dep_q") == 0:
-        raise _refuse(raw, "dep_q", "dep_q", 0, "1..n_q, a DepFormer that speaks")
     if "depformer_dim_feedforward" not in kwargs and "depformer_dim" in kwargs:
         kwargs["depformer_dim_feedforward"] = int(kwargs.get("hidden_scale", 4.125) * kwargs["depformer_dim"])
     try:
         return LMConfig(**kwargs)
     except TypeError as e:
         raise ConfigError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class SttSettings:
+    """A Kyutai STT config's serving settings beside the LM kwargs (`stt_config`, `lm_gen_config`).
+
+    The text lags the audio by `audio_delay_seconds` (0.5 s for the 1B, 2.5 s for the 2.6B: a word's timestamp is
+    its step's time less this); the 2.6B wants `audio_silence_prefix_seconds` of silence before the first audio.
+    """
+
+    audio_delay_seconds: float = 0.0
+    audio_silence_prefix_seconds: float = 0.0
+    text_temperature: float = 0.0
+    text_topk: int = 50
+
+
+def stt_settings_from_dict(raw: dict[str, Any]) -> SttSettings | None:
+    """The `SttSettings` of a parsed `config.json`, or None for a config that is not an STT model's."""
+    if raw.get("model_type") != "stt" and "stt_config" not in raw:
+        return None
+    stt, gen = raw.get("stt_config") or {}, raw.get("lm_gen_config") or {}
+    if not isinstance(stt, dict) or not isinstance(gen, dict):
+        raise ConfigError("stt_config and lm_gen_config must be JSON objects")
+    default = SttSettings()
+    try:
+        return SttSettings(
+            float(stt.get("audio_delay_seconds", default.audio_delay_seconds)),
+            float(stt.get("audio_silence_prefix_seconds", default.audio_silence_prefix_seconds)),
+            float(gen.get("temp_text", default.text_temperature)),
+            int(gen.get("top_k_text", default.text_topk)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"stt_config or lm_gen_config: {e}") from None
