@@ -1,4 +1,5 @@
-"""`duplexd transcribe FILE`: a whole audio file through the Gemma 4 transcriber, the transcript printed.
+"""`duplexd transcribe FILE`: a whole audio file through the Gemma 4 transcriber, the transcript printed (a Kyutai
+speech-to-text model instead: `transcribe_stt`).
 
 The same path as the server's `POST /v1/audio/transcriptions` (`engine.file_transcription`): the file is split at
 pauses by the VAD (utterances cut at 30 s, so files of any length work) and each utterance goes through a
@@ -19,7 +20,7 @@ import torch
 from duplexd.clients.audio import InputError as InputError  # the CLI reports it
 from duplexd.clients.audio import read_audio
 from duplexd.engine.devices import check_device
-from duplexd.engine.errors import CheckpointError
+from duplexd.engine.errors import CheckpointError, InputRefused
 from duplexd.engine.transcription.files import RESPONSE_FORMATS, json_body, text_body, transcribe_file, verbose_body
 from duplexd.engine.transcription.service import TranscriptionConfig, TranscriptionService
 from duplexd.engine.transcription.transcriber import (
@@ -32,10 +33,18 @@ from duplexd.engine.transcription.transcriber import (
 from duplexd.engine.transcription.vad import VadSegmenter, load_silero
 from duplexd.engine.weights.model_files import DTYPES
 
+from . import transcribe_stt
+from .transcribe_stt import stt_files
+
 logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
+    stt = stt_files(args.model)
+    if stt is not None:
+        return transcribe_stt.run(args, stt)
+    if args.tokens_out:
+        raise InputRefused("is for speech-to-text models (a Kyutai STT folder or demo-stt)", "tokens_out")
     device = check_device(args.device)
     if args.max_new_tokens < 1:
         raise CheckpointError(f"{args.max_new_tokens}: must be at least 1", "max_new_tokens")
@@ -82,9 +91,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("transcribe", help="transcribe an audio file with Gemma 4 (split at pauses, any length)")
+    p = sub.add_parser(
+        "transcribe", help="transcribe an audio file with Gemma 4 (split at pauses, any length) or Kyutai STT (words)"
+    )
     p.add_argument("input", help="input audio (any format soundfile reads, any rate; stereo is down-mixed)")
-    p.add_argument("--model", default="demo", help="Gemma 4 folder in Hugging Face layout, or `demo` (default)")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="Gemma 4 folder in Hugging Face layout, `demo` (default), a Kyutai STT folder (its config.json names "
+        "its files) or `demo-stt`: words with their times",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the instruction that follows the audio")
@@ -95,4 +111,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="text",
         help="output as the server's response_format: text (default), json, verbose_json, srt, vtt",
     )
+    p.add_argument("--tokens-out", help="speech-to-text models: one JSON line per frame (frame, text token, pause)")
     p.set_defaults(func=run)

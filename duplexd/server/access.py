@@ -1,8 +1,9 @@
 """Who may connect: an optional API key and an optional browser-origin allow-list.
 
-The key can come as `Authorization: Bearer KEY`, a `kyutai-api-key` or `x-api-key` header, an `api_key` query
-parameter (browsers cannot set WebSocket headers) or the `openai-insecure-api-key.KEY` subprotocol (what OpenAI's
-browser SDK sends). Requests without an `Origin` header are not from a browser page and pass the origin check.
+The key can come as `Authorization: Bearer KEY`, a `kyutai-api-key` or `x-api-key` header, an `api_key` or
+`auth_id` (moshi-server's) query parameter (browsers cannot set WebSocket headers) or the
+`openai-insecure-api-key.KEY` subprotocol (what OpenAI's browser SDK sends). Requests without an `Origin` header
+are not from a browser page and pass the origin check.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def presented_key(conn: HTTPConnection) -> str | None:
     for header in ("kyutai-api-key", "x-api-key"):
         if conn.headers.get(header):
             return conn.headers[header]
-    if conn.query_params.get("api_key"):
-        return conn.query_params["api_key"]
+    for param in ("api_key", "auth_id"):  # auth_id: moshi-server's name
+        if conn.query_params.get(param):
+            return conn.query_params[param]
     for proto in offered_subprotocols(conn):
         if proto.startswith(KEY_SUBPROTOCOL):
             return proto[len(KEY_SUBPROTOCOL) :]

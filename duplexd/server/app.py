@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from . import kyutai, realtime, routes, transcriptions
+from .asr import endpoint as asr_endpoint
+from .asr import upload as asr_upload
 from .codec.streams import backend
 from .codec_batches import CodecBatches
 from .context import ServerContext
@@ -67,6 +69,9 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     app.include_router(kyutai.router)
     app.include_router(realtime.router)
     app.include_router(transcriptions.router)
+    if runtime.info.asr_delay_tokens is not None:  # a speech-to-text model: moshi-server's /api/asr-streaming
+        app.include_router(asr_endpoint.router)
+        app.include_router(asr_upload.router)
     web = static_dir(settings.static)
     if web is not None:
         app.mount("/", WebClient(web), name="web")

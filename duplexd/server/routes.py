@@ -1,7 +1,8 @@
 """Plain HTTP endpoints: liveness, readiness, Prometheus metrics and the model list.
 
 `/health`, `/ready` and `/metrics` are for the operator's probes and scraper and need no API key; `/v1/models`
-does when one is set (it is part of the client-facing API).
+does when one is set (it is part of the client-facing API). `/api/build_info` and `/api/modules_info` answer as
+moshi-server's (Unmute probes the first for health), without a key as there.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .access import key_ok
+from .asr.endpoint import PATH as ASR_PATH
+from .build_info import BUILD_INFO
 from .context import Context
 from .version import VERSION
 
@@ -95,3 +98,30 @@ def models(request: Request, ctx: Context) -> dict:
             }
         )
     return {"object": "list", "data": models}
+
+
+@router.get("/api/build_info")
+def build_info() -> dict:
+    """moshi-server's build fields (each true of this duplexd), plus `server` and `version`."""
+    return BUILD_INFO
+
+
+@router.get("/api/modules_info")
+def modules_info(ctx: Context) -> list[dict]:
+    """moshi-server's module list: the speech-to-text module of an STT model (its values strings, as there);
+    nothing for a dialogue model, as moshi-server lists none of its own."""
+    runtime = ctx.runtime
+    info = runtime.info
+    if info.asr_delay_tokens is None:
+        return []
+    used = sum(s.active_sessions for s in runtime.stats())
+    return [
+        {
+            "type": "batched_asr",
+            "path": ASR_PATH,
+            "lm": info.lm_file,
+            "audio_tokenizer": info.mimi_file,
+            "used_slots": str(used),
+            "total_slots": str(runtime.capacity()),
+        }
+    ]

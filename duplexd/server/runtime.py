@@ -27,11 +27,20 @@ from duplexd.engine.persona.prompt import PersonaPrompt
 from duplexd.engine.persona.voices import VoiceLibrary
 from duplexd.engine.transcription.service import TranscriptionConfig, TranscriptionService
 from duplexd.engine.transcription.transcriber import Transcriber, model_folder
-from duplexd.engine.weights.checkpoint import build_lm, load_lm, load_mimi, quantize_lm_
+from duplexd.engine.weights.checkpoint import (
+    CONFIG_NAME,
+    MOSHI_NAME,
+    build_lm,
+    load_lm,
+    load_mimi,
+    quantize_lm_,
+    read_stt_settings,
+)
 from duplexd.engine.weights.demo import draw_random_, ensure_demo
 from duplexd.engine.weights.hub import resolve_file
 from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
 
+from .asr.delay import delay_tokens
 from .persona import PersonaRefused, Personas
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
 
@@ -56,6 +65,10 @@ class ModelInfo:
     persona: bool = False  # a PersonaPlex LM: sessions may be given a voice and a role text
     voices: tuple[str, ...] = ()  # the voices `--voices` loaded, by file name
     created: int = field(default_factory=lambda: int(time.time()))
+    # A speech-to-text LM (Kyutai STT, text only): the steps its text lags the audio by, as moshi-server's
+    # `asr_delay_in_tokens` (None: not a speech-to-text model), and its pause heads (semantic VAD)
+    asr_delay_tokens: int | None = None
+    pause_heads: int = 0
 
 
 def resolve_files(settings: ServerSettings) -> ModelFiles:
@@ -122,10 +135,12 @@ class Runtime:
         transcription: TranscriptionService | None = None,
         voices: VoiceLibrary | None = None,
         personas: Personas | None = None,
+        tokenizer: TextTokenizer | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("no engine to serve with")
         self.engines, self.info, self.transcription = engines, info, transcription
+        self.tokenizer = tokenizer  # the LM's, for what reads its text ids (words of /api/asr-streaming)
         self.voices = voices  # `--voices`, loaded and encoded once
         self.personas = personas or Personas.off()  # what a session's text and voice prompt turn into
         self.failed: str | None = None  # why warm-up failed, if it did
@@ -327,8 +342,34 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         settings.transcribe == "demo",
         persona=lm.cfg.predicts_user_audio,
         voices=tuple(voices.names) if voices is not None else (),
+        asr_delay_tokens=asr_delay_tokens(settings, files) if lm.cfg.text_only else None,
+        pause_heads=lm.cfg.extra_heads_num_heads,
     )
-    return Runtime(engines, info, transcription, voices, personas)
+    return Runtime(engines, info, transcription, voices, personas, tokenizer)
+
+
+def asr_delay_tokens(settings: ServerSettings, files: ModelFiles) -> int:
+    """A speech-to-text model's `asr_delay_in_tokens`: `--asr-delay-tokens`, else from its config.json's
+    `stt_config` (Kyutai's values for its models), else 0 (word times not shifted), said in the log."""
+    if settings.asr_delay_tokens is not None:
+        return settings.asr_delay_tokens
+    stt = None
+    try:
+        if files.config:
+            path = resolve_file(files.config, CONFIG_NAME)
+        elif files.hf_repo:
+            path = resolve_file(f"hf://{files.hf_repo}/{CONFIG_NAME}", CONFIG_NAME)
+        else:
+            path = resolve_file(files.moshi, MOSHI_NAME).parent / CONFIG_NAME
+        stt = read_stt_settings(path) if path.is_file() else None
+    except CheckpointError as e:
+        logger.warning("no speech-to-text settings: %s", e)
+    if stt is None:
+        logger.warning("a speech-to-text model without stt_config: word times are not shifted (--asr-delay-tokens)")
+        return 0
+    tokens = delay_tokens(stt.audio_delay_seconds)
+    logger.info("speech to text: the text lags the audio by %g s, %d steps", stt.audio_delay_seconds, tokens)
+    return tokens
 
 
 def load_voices(settings: ServerSettings, lm: LMModel, mimi: MimiModel) -> VoiceLibrary | None:

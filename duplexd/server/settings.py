@@ -62,7 +62,17 @@ class ServerSettings(BaseSettings):
     tokenizer: str | None = opt(None, "sentencepiece text tokenizer", _MODEL, metavar="REF")
     config: str | None = opt(None, "reference config.json for the LM", _MODEL, metavar="REF")
     hf_repo: str | None = opt(None, "take every file not given from this Hugging Face repo", _MODEL, metavar="ORG/REPO")
-    mimi_preset: Literal["mimi", "demo"] = opt("mimi", "Mimi architecture", _MODEL)
+    mimi_preset: Literal["mimi", "demo", "mimi-32", "demo-32"] = opt(
+        "mimi", "Mimi architecture (the -32 ones: all 32 codebooks, for a speech-to-text LM)", _MODEL
+    )
+    asr_delay_tokens: int | None = opt(
+        None,
+        "speech-to-text LM: steps its text lags the audio (moshi-server's asr_delay_in_tokens; default: from its "
+        "config.json, 6 for stt-1b-en_fr, 32 for stt-2.6b-en)",
+        _MODEL,
+        metavar="N",
+        ge=0,
+    )
     random_weights: str | None = opt(
         None,
         f"serve an LM preset ({', '.join(RANDOM_WEIGHTS_MIMI)}) and its Mimi with random weights drawn on the "

@@ -1,0 +1,153 @@
+"""`WS /api/asr-streaming`: moshi-server's streaming speech to text, for Kyutai's clients (DSM's scripts, Unmute).
+
+The upgrade is refused with HTTP 401 without the API key (moshi-server's `kyutai-api-key` header or `auth_id`
+query, or any form `server.access` takes), as moshi-server does; then the connection goes through the server's
+admission and pump like every session, with `Ready` as its greeting and `Error{"no free channels"}` as its
+refusal at capacity. Audio (`Audio` samples, or `OggOpus` decoded on the codec threads) goes into the session
+through a `Feeder`; each step comes back as `AsrStream` says. A message that cannot be read ends the connection
+with an `Error` saying why and a close code (1003 text frame, 1007 bad message, 1009 too big), never touching any
+other stream. As moshi-server: the server pings every `--ws-ping-interval` (10 s) and drops a client that does not
+answer, and drops one that sent nothing for `IDLE_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+from fastapi import APIRouter, WebSocket
+from fastapi.responses import JSONResponse
+
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.dialogue.session import SessionOutput
+
+from ..access import access_denied
+from ..admission import serve
+from ..closing import Close, CloseCode
+from ..codec.errors import AudioError
+from ..codec.workers import CodecWorkerError
+from ..codec_batches import CodecBatches, Decoder, Encoder
+from ..context import Context, ServerContext
+from ..pump import Adapter, Pump
+from . import messages
+from .feeder import Feeder
+from .stream import AsrStream
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+PATH = "/api/asr-streaming"
+NO_FREE_CHANNELS = "no free channels"  # moshi-server's refusal at capacity, which Unmute recognises
+IDLE_SECONDS = 120.0  # moshi-server's limit on a client that sends no message
+BACKLOG_SECONDS = 60.0  # audio read ahead of the model before the client is held back (moshi-server: no limit)
+# Frames of a stream in the engine at once: the engine steps one a step, so a few keep it busy while the event loop
+# refills them, and a fast client's frames wait here rather than in the inbox (where they would count as late).
+FRAMES_AHEAD = 4
+
+
+def new_stream(ctx: ServerContext) -> AsrStream:
+    """The bookkeeping of one stream of the served speech-to-text model."""
+    runtime = ctx.runtime
+    assert runtime.info.asr_delay_tokens is not None and runtime.tokenizer is not None
+    return AsrStream(runtime.info.asr_delay_tokens, runtime.tokenizer.decode, runtime.info.frame_size)
+
+
+def frames_ahead(ctx: ServerContext) -> int:
+    """Frames a stream may have pushed and not yet answered: within both of the session's bounds."""
+    return min(FRAMES_AHEAD, ctx.settings.max_pending_frames, ctx.settings.max_output_frames)
+
+
+class AsrAdapter(Adapter):
+    name = "asr"
+
+    def __init__(self, ws: WebSocket, ctx: ServerContext) -> None:
+        super().__init__(ws)
+        self.ctx = ctx
+        self.stream = new_stream(ctx)
+        self.feeder: Feeder | None = None  # once admitted
+        self.codec: CodecBatches = ctx.codec
+        self.opus: tuple[Decoder, Encoder] | None = None  # made for the first OggOpus message
+
+    def admitted(self, pump: Pump) -> None:
+        info = self.ctx.runtime.info
+        limit = round(BACKLOG_SECONDS * info.sample_rate)
+        self.feeder = Feeder(pump.session, info.frame_size, frames_ahead(self.ctx), limit)
+
+    async def on_message(self, message: dict) -> np.ndarray | None:
+        data = message.get("bytes")
+        if data is None:
+            raise Close(
+                CloseCode.UNSUPPORTED_DATA,
+                "text_frame",
+                "text frames are not part of this protocol: send MessagePack maps in binary frames",
+            )
+        try:
+            msg = messages.decode(data)
+        except messages.MessageError as e:
+            raise Close(CloseCode.INVALID_PAYLOAD, "invalid_message", str(e)) from None
+        if isinstance(msg, messages.Marker):
+            self.stream.marker(msg.id)
+            return None
+        pcm = msg.pcm if isinstance(msg, messages.Audio) else await self._decode(msg.data)
+        assert self.feeder is not None
+        self.stream.received(len(pcm))
+        await self.feeder.feed(pcm)
+        return None  # pushed by the feeder
+
+    async def _decode(self, data: bytes) -> np.ndarray:
+        if self.opus is None:
+            self.opus = self.codec.streams(self.ctx.settings.opus_profile, self.ctx.runtime.info.sample_rate)
+        try:
+            return await self.codec.decode(self.opus[0], data)
+        except CodecWorkerError as e:  # the server's fault, not the audio's
+            raise Close(CloseCode.INTERNAL_ERROR, "codec_failed", str(e)) from None
+        except AudioError as e:
+            raise Close(CloseCode.INVALID_PAYLOAD, "invalid_audio", str(e)) from None
+
+    def release(self) -> None:
+        if self.opus is not None:
+            self.codec.release(*self.opus)
+
+    async def send_output(self, out: SessionOutput) -> None:
+        answer = self.stream.answer(out.frame, out.text_token, out.pause)
+        assert self.feeder is not None
+        self.feeder.answer(out.frame + 1)
+        async with self.send_lock:
+            for message in answer:
+                await self.ws.send_bytes(messages.pack(message))
+
+    async def send_error(self, close: Close) -> None:
+        text = NO_FREE_CHANNELS if close.error == "capacity" else close.message
+        await self.send_bytes(messages.pack(messages.error(text)))
+
+
+GREEDY = SamplingParams(text_temperature=0.0)  # moshi-server's default ASR temperature
+
+
+def _parameters() -> tuple[SamplingParams, int | None]:
+    """moshi-server's ASR takes no parameters."""
+    return GREEDY, None
+
+
+@router.websocket(PATH)
+async def asr_streaming(ws: WebSocket, ctx: Context) -> None:
+    denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)
+    if denied is not None and "websocket.http.response" in ws.scope.get("extensions", {}):
+        # before the upgrade, as moshi-server: 401 (403 for a browser origin not allowed); a server without the
+        # denial extension accepts, and admission refuses with a close code
+        ctx.metrics.refused.labels(denied[0]).inc()
+        status = 401 if denied[0] == "invalid_api_key" else 403
+        await ws.send_denial_response(JSONResponse({"error": denied[0], "message": denied[1]}, status_code=status))
+        return
+    adapter = AsrAdapter(ws, ctx)
+
+    async def greet(pump: Pump) -> None:
+        pump.limits = dataclasses.replace(pump.limits, idle_timeout=IDLE_SECONDS)
+        adapter.admitted(pump)
+        await adapter.send_bytes(messages.pack(messages.ready()))
+
+    try:
+        await serve(ctx, adapter, None, _parameters, greet)
+    finally:
+        adapter.release()

@@ -1,0 +1,407 @@
+"""End to end: `/api/asr-streaming` of a real `duplexd serve` (the demo STT model, CPU, 3 slots) on a free port.
+
+The clients are Kyutai's own, their message flow transliterated: DSM's `stt_from_file_rust_server.py` (1 s of
+silence, the file paced at `rtf`, 5 s of silence, `Marker`, 35 s of silence, stop at the marker's echo) at real
+time and as fast as possible, and the shape Unmute's `SpeechToText` validates (`Ready` first, a `Step` per frame
+with four probabilities). What the server says is checked against the same model run here, one frame at a time,
+its text tokens turned into words by the transliteration of moshi-server's rules (`test_asr_words.RustAsr`): every
+word, time, pause probability and the marker's step.
+
+The demo STT's random text head hardly ever writes padding or a word start, so it would never complete a word: the
+served copy has the head's rows for those two tokens redrawn larger (`words_model`), and its text has words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import msgpack
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from pydantic import BaseModel
+from safetensors.torch import load_file, save_file
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from duplexd.engine.dialogue.pipeline import Pipeline
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.models.config import MIMI_PRESETS
+from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.weights.checkpoint import load_lm, load_mimi
+from duplexd.engine.weights.demo import DemoFiles, ensure_demo_stt
+
+from .live_server import running_server
+from .test_asr_words import RustAsr
+
+RATE, FRAME = 24000, 1920
+KEY = "public_token"
+HEADERS = {"kyutai-api-key": KEY}
+DELAY = 6  # the demo STT's config: 0.5 s, as stt-1b
+SLOTS = 3
+MAX_MESSAGE = 256 << 10
+
+
+def pack(message: dict) -> bytes:
+    return msgpack.packb(message, use_bin_type=True, use_single_float=True)
+
+
+def audio_message(pcm) -> bytes:
+    return pack({"type": "Audio", "pcm": [float(x) for x in pcm]})
+
+
+def words_model(root: Path) -> DemoFiles:
+    """The demo STT in `root`, its text head's rows for word start (0) and padding (3) redrawn 4x the mean norm."""
+    demo = ensure_demo_stt(root / "cache")
+    folder = root / "stt"
+    shutil.copytree(demo.root, folder)
+    weights = load_file(folder / demo.lm.name)
+    head = weights["text_linear.weight"]
+    gen = torch.Generator().manual_seed(0)
+    for token in (0, 3):
+        row = torch.randn(head.shape[1], generator=gen)
+        head[token] = row / row.norm() * head.norm(dim=1).mean() * 4
+    save_file(weights, folder / demo.lm.name)
+    return DemoFiles(
+        folder,
+        folder / demo.lm.name,
+        folder / demo.mimi.name,
+        folder / demo.config.name,
+        folder / demo.tokenizer.name,
+        demo.mimi_preset,
+    )
+
+
+@dataclass
+class Expected:
+    words: list[dict]  # Word and EndWord, as the server sends them
+    pause: list[list[float]]  # per step
+
+
+class Reference:
+    """The served model, here: one stream stepped frame by frame, its tokens read by moshi-server's rules."""
+
+    def __init__(self, files: DemoFiles) -> None:
+        self.lm = load_lm(files.lm, files.config)
+        self.mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset])
+        self.tokenizer = TextTokenizer(files.tokenizer)
+
+    def run(self, pcm: np.ndarray, steps: int) -> Expected:
+        pipeline = Pipeline(self.lm, self.mimi, num_slots=1)
+        pipeline.reset(0, SamplingParams(text_temperature=0.0))
+        pcm = np.concatenate([pcm, np.zeros(max(0, steps * FRAME - len(pcm)), np.float32)])
+        rust = RustAsr(1, DELAY)
+        words, pause = [], []
+        for step in range(steps):
+            out = pipeline.step([0], pcm[None, step * FRAME : (step + 1) * FRAME])
+            pause.append([float(p) for p in out.pause[0]])
+            for _, message in rust.step([int(out.tokens[0, 0])], [True]):
+                if message[0] == "Word":
+                    words.append({"type": "Word", "text": self.tokenizer.decode(message[1]), "start_time": message[2]})
+                else:
+                    words.append({"type": "EndWord", "stop_time": message[1]})
+        return Expected(words, pause)
+
+
+@dataclass
+class Server:
+    port: int
+    log: Path
+
+    def ws(self, query: str = "") -> str:
+        return f"ws://127.0.0.1:{self.port}/api/asr-streaming{query}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def stt_files(tmp_path_factory) -> DemoFiles:
+    return words_model(tmp_path_factory.mktemp("asr"))
+
+
+@pytest.fixture(scope="module")
+def reference(stt_files) -> Reference:
+    return Reference(stt_files)
+
+
+@pytest.fixture(scope="module")
+def server(stt_files, tmp_path_factory):
+    log = tmp_path_factory.mktemp("asr-server") / "serve.log"
+    args = [
+        "--moshi-weight", str(stt_files.lm), "--mimi-weight", str(stt_files.mimi),
+        "--tokenizer", str(stt_files.tokenizer), "--config", str(stt_files.config),
+        "--mimi-preset", stt_files.mimi_preset, "--max-sessions", str(SLOTS), "--api-key", KEY,
+        "--max-message-bytes", str(MAX_MESSAGE), "--ws-ping-interval", "1", "--ws-ping-timeout", "2",
+    ]  # fmt: skip
+    with running_server(log, *args) as live:
+        yield Server(live.port, log)
+    assert live.proc.returncode == 0, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
+
+
+def used_slots(server: Server) -> int:
+    return int(httpx2.get(server.http + "/api/modules_info", timeout=5).json()[0]["used_slots"])
+
+
+def wait_idle(server: Server) -> None:
+    """The previous test's streams have all ended (their slots are back)."""
+    deadline = time.monotonic() + 10
+    while used_slots(server):
+        assert time.monotonic() < deadline, "slots still taken"
+        time.sleep(0.05)
+
+
+def run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def speech(seconds: float, seed: int = 0) -> np.ndarray:
+    """Something for the model to hear: tones gliding under noise."""
+    t = np.arange(int(seconds * RATE)) / RATE
+    rng = np.random.default_rng(seed)
+    return (0.3 * np.sin(2 * np.pi * (200 + 150 * t) * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------- Kyutai's clients
+
+
+async def dsm_file_client(url: str, audio: np.ndarray, rtf: float) -> tuple[list[dict], np.ndarray]:
+    """DSM's stt_from_file_rust_server.py: every message received until the marker's echo (included), and the
+    audio sent before the marker."""
+    sent: list[np.ndarray] = []
+
+    async def send_audio(pcm) -> None:
+        sent.append(np.asarray(pcm, np.float32))
+        await ws.send(audio_message(pcm))
+
+    async def send_messages() -> None:
+        await send_audio([0.0] * RATE)
+        start = time.time()
+        for i in range(0, len(audio), FRAME):
+            await send_audio(audio[i : i + FRAME])
+            expected = start + (i + 1) / RATE / rtf
+            await asyncio.sleep(max(expected - time.time(), 0.001))
+        for _ in range(5):
+            await send_audio([0.0] * RATE)
+        before_marker.extend(sent)
+        await ws.send(pack({"type": "Marker", "id": 0}))
+        for _ in range(35):
+            await ws.send(audio_message([0.0] * RATE))
+
+    async def receive_messages() -> list[dict]:
+        received = []
+        async for message in ws:
+            data = msgpack.unpackb(message, raw=False)
+            received.append(data)
+            if data["type"] == "Marker":
+                break
+        return received
+
+    before_marker: list[np.ndarray] = []
+    async with connect(url, additional_headers=HEADERS, max_size=None) as ws:
+        _, received = await asyncio.gather(send_messages(), receive_messages())
+    return received, np.concatenate(before_marker)
+
+
+@pytest.mark.parametrize("rtf", [1.01, 1000.0], ids=["real-time", "as-fast-as-possible"])
+def test_dsm_file_client(server, reference, rtf):
+    audio = speech(1.5)
+    received, before_marker = run(dsm_file_client(server.ws(), audio, rtf))
+    assert received[0] == {"type": "Ready"}
+    steps = [m for m in received if m["type"] == "Step"]
+    assert received[-1] == {"type": "Marker", "id": 0}
+    # the marker comes back once every whole frame sent before it has been stepped, plus the delay
+    assert len(steps) == len(before_marker) // FRAME + DELAY
+    assert [s["step_idx"] for s in steps] == list(range(len(steps)))
+    expected = reference.run(before_marker, len(steps))
+    words = [m for m in received if m["type"] in ("Word", "EndWord")]
+    assert words == expected.words
+    assert sum(m["type"] == "Word" for m in words) >= 3, "the model should write words"
+    np.testing.assert_allclose([s["prs"] for s in steps], expected.pause, atol=1e-4)
+    assert all(s["buffered_pcm"] >= 0 for s in steps)
+    # order: each step's Step comes before its words
+    assert received[1]["type"] == "Step"
+
+
+class STTWordMessage(BaseModel):
+    type: str
+    text: str
+    start_time: float
+
+
+class STTEndWordMessage(BaseModel):
+    type: str
+    stop_time: float
+
+
+class STTStepMessage(BaseModel):
+    type: str
+    step_idx: int
+    prs: list[float]
+
+
+def test_unmute_shape(server):
+    """Unmute's SpeechToText: Ready first (else it reports the service at capacity), then a Step for every frame
+    sent (its clock), each with the four pause heads it reads prs[2] of, and words it validates."""
+
+    audio = speech(2.0, seed=1)
+    frames = len(audio) // FRAME
+
+    async def go() -> tuple[dict, list[dict]]:
+        async with connect(server.ws(), additional_headers=HEADERS) as ws:
+            first = msgpack.unpackb(await ws.recv())
+            for i in range(frames):  # one frame per message, as Unmute sends its 80 ms blocks
+                await ws.send(msgpack.packb({"type": "Audio", "pcm": audio[i * FRAME : (i + 1) * FRAME].tolist()},
+                                            use_bin_type=True, use_single_float=True))  # fmt: skip
+            got = []
+            while sum(m["type"] == "Step" for m in got) < frames:
+                got.append(msgpack.unpackb(await ws.recv()))
+            return first, got
+
+    first, got = run(go())
+    assert first == {"type": "Ready"}
+    for message in got:
+        if message["type"] == "Step":
+            step = STTStepMessage.model_validate(message)
+            assert len(step.prs) == 4 and all(0.0 <= p <= 1.0 for p in step.prs)
+        elif message["type"] == "Word":
+            STTWordMessage.model_validate(message)
+        else:
+            STTEndWordMessage.model_validate(message)
+    assert [m["step_idx"] for m in got if m["type"] == "Step"] == list(range(frames))
+
+
+# --------------------------------------------------------------------------------------------- refusals
+
+
+async def expect_error(url: str, send, says: str, code: int, headers=HEADERS) -> None:
+    async with connect(url, additional_headers=headers, max_size=None) as ws:
+        assert msgpack.unpackb(await ws.recv()) == {"type": "Ready"}
+        await send(ws)
+        error = msgpack.unpackb(await ws.recv())
+        assert error["type"] == "Error" and says in error["message"], error
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == code
+
+
+BAD = {
+    "not MessagePack": (lambda ws: ws.send(b"\xc1\x00"), "not a MessagePack message", 1007),
+    "unknown type": (lambda ws: ws.send(pack({"type": "Transcribe"})), "unknown message type", 1007),
+    "wrong field type": (lambda ws: ws.send(pack({"type": "Audio", "pcm": "loud"})), "`pcm` must be", 1007),
+    "marker id": (lambda ws: ws.send(pack({"type": "Marker", "id": "end"})), "`id` must be", 1007),
+    "huge": (lambda ws: ws.send(audio_message(np.zeros(MAX_MESSAGE // 4))), "over the limit", 1009),
+    "text frame": (lambda ws: ws.send('{"type": "Audio"}'), "text frames are not part", 1003),
+    "bad Ogg": (lambda ws: ws.send(pack({"type": "OggOpus", "data": b"RIFF" * 64})), "Ogg", 1007),
+}
+
+
+def test_bad_input_while_another_stream_runs(server):
+    """Each bad message: an Error saying why and a close; the healthy stream beside them never stops."""
+
+    async def go() -> list[int]:
+        async with connect(server.ws(), additional_headers=HEADERS) as healthy:
+            assert msgpack.unpackb(await healthy.recv()) == {"type": "Ready"}
+            steps = 0
+
+            async def talk() -> None:
+                audio = speech(30.0, seed=2)
+                for i in range(0, len(audio), FRAME):
+                    await healthy.send(audio_message(audio[i : i + FRAME]))
+                    await asyncio.sleep(0.02)
+
+            async def listen() -> None:
+                nonlocal steps
+                async for message in healthy:
+                    steps += msgpack.unpackb(message)["type"] == "Step"
+
+            tasks = [asyncio.create_task(talk()), asyncio.create_task(listen())]
+            counts = []
+            for send, says, code in BAD.values():
+                await expect_error(server.ws(), send, says, code)
+                mark, deadline = steps, time.monotonic() + 10
+                while steps < mark + 3 and time.monotonic() < deadline:  # the healthy stream goes on
+                    await asyncio.sleep(0.01)
+                counts.append(steps - mark)
+            for task in tasks:
+                task.cancel()
+            return counts
+
+    counts = run(go())
+    assert all(count >= 3 for count in counts), counts
+
+
+def test_capacity_then_a_slot_back(server):
+    wait_idle(server)
+
+    async def go() -> None:
+        streams = [await connect(server.ws(), additional_headers=HEADERS) for _ in range(SLOTS)]
+        try:
+            for ws in streams:
+                assert msgpack.unpackb(await ws.recv()) == {"type": "Ready"}
+            async with connect(server.ws(), additional_headers=HEADERS) as refused:
+                assert msgpack.unpackb(await refused.recv()) == {"type": "Error", "message": "no free channels"}
+                with pytest.raises(ConnectionClosed):
+                    await refused.recv()
+            assert used_slots(server) == SLOTS
+        finally:
+            for ws in streams:
+                await ws.close()
+        await asyncio.to_thread(wait_idle, server)  # the slots come back as the sessions end
+        async with connect(server.ws(), additional_headers=HEADERS) as again:
+            assert msgpack.unpackb(await again.recv()) == {"type": "Ready"}
+
+    run(go())
+
+
+def test_api_key(server):
+    async def go() -> None:
+        for url, headers in (
+            (server.ws(), {}),
+            (server.ws("?auth_id=wrong"), {}),
+            (server.ws(), {"kyutai-api-key": "no"}),
+        ):
+            with pytest.raises(InvalidStatus) as refused:
+                async with connect(url, additional_headers=headers):
+                    pass
+            assert refused.value.response.status_code == 401
+        async with connect(server.ws(f"?auth_id={KEY}")) as ws:  # browsers cannot set headers: the query
+            assert msgpack.unpackb(await ws.recv()) == {"type": "Ready"}
+
+    run(go())
+    assert httpx2.post(server.http + "/api/asr-streaming", content=b"RIFF", timeout=10).status_code == 401
+
+
+# --------------------------------------------------------------------------------------------- plain HTTP
+
+
+def test_post_file(server, reference):
+    """POST a WAV: the words moshi-server would answer, the file followed by the marker and 10 s of silence."""
+    audio = speech(2.0, seed=3)
+    body = io.BytesIO()
+    sf.write(body, audio, RATE, format="WAV", subtype="FLOAT")
+    answer = httpx2.post(server.http + "/api/asr-streaming", content=body.getvalue(), headers=HEADERS, timeout=60)
+    assert answer.status_code == 200, answer.text
+    expected = reference.run(audio, len(audio) // FRAME + DELAY)
+    assert answer.json() == expected.words and expected.words
+    bad = httpx2.post(server.http + "/api/asr-streaming", content=b"not audio at all", headers=HEADERS, timeout=10)
+    assert bad.status_code == 400 and "unsupported audio format" in bad.json()["message"]
+
+
+def test_build_and_modules_info(server):
+    info = httpx2.get(server.http + "/api/build_info", timeout=5).json()
+    rust_fields = ("build_timestamp", "build_date", "git_branch", "git_timestamp", "git_date", "git_hash",
+                   "git_describe", "rustc_host_triple", "rustc_version", "cargo_target_triple")  # fmt: skip
+    assert all(isinstance(info[field], str) for field in rust_fields)
+    modules = httpx2.get(server.http + "/api/modules_info", timeout=5).json()
+    assert len(modules) == 1 and modules[0]["type"] == "batched_asr" and modules[0]["path"] == "/api/asr-streaming"
+    assert modules[0]["total_slots"] == str(SLOTS) and modules[0]["used_slots"].isdigit()
