@@ -405,3 +405,29 @@ def test_build_and_modules_info(server):
     modules = httpx2.get(server.http + "/api/modules_info", timeout=5).json()
     assert len(modules) == 1 and modules[0]["type"] == "batched_asr" and modules[0]["path"] == "/api/asr-streaming"
     assert modules[0]["total_slots"] == str(SLOTS) and modules[0]["used_slots"].isdigit()
+
+
+def test_conversation_endpoints_say_this_model_only_transcribes(server):
+    """A Moshi client (Kyutai protocol) or a Realtime client pointed at an STT server is told, in its own protocol,
+    where to stream instead; the server goes on serving ASR streams."""
+
+    async def go() -> tuple[bytes, str, int, int]:
+        base = server.ws().split("/api/")[0]
+        async with connect(f"{base}/api/chat?auth_id={KEY}") as ws:
+            kyutai = await ws.recv()
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+            kyutai_code = closed.value.rcvd.code
+        async with connect(f"{base}/v1/realtime?auth_id={KEY}") as ws:
+            event = await ws.recv()
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+            realtime_code = closed.value.rcvd.code
+        async with connect(server.ws(f"?auth_id={KEY}")) as ws:
+            assert msgpack.unpackb(await ws.recv()) == {"type": "Ready"}
+        return kyutai, event, kyutai_code, realtime_code
+
+    kyutai, event, kyutai_code, realtime_code = run(go())
+    assert kyutai[0] == 5 and b"/api/asr-streaming" in kyutai  # the Kyutai protocol's error kind
+    assert '"model_not_conversational"' in event and "/api/asr-streaming" in event
+    assert kyutai_code == realtime_code == 1008

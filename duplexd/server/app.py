@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from . import kyutai, realtime, routes, transcriptions
+from . import kyutai, realtime, routes, stt_only, transcriptions
 from .asr import endpoint as asr_endpoint
 from .asr import upload as asr_upload
 from .codec.streams import backend
@@ -66,12 +66,14 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     app = FastAPI(title="duplexd", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.context = ServerContext(settings, runtime, metrics, drain, codec)
     app.include_router(routes.router)
-    app.include_router(kyutai.router)
-    app.include_router(realtime.router)
     app.include_router(transcriptions.router)
     if runtime.info.asr_delay_tokens is not None:  # a speech-to-text model: moshi-server's /api/asr-streaming
         app.include_router(asr_endpoint.router)
         app.include_router(asr_upload.router)
+        app.include_router(stt_only.router)
+    else:
+        app.include_router(kyutai.router)
+        app.include_router(realtime.router)
     web = static_dir(settings.static)
     if web is not None:
         app.mount("/", WebClient(web), name="web")
