@@ -7,6 +7,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -139,3 +140,17 @@ def sharpened(lm: LMModel, factor: float) -> LMModel:
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per row (the first dim): ||a - b|| / ||b||."""
     return (a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1).clamp_min(1e-30)
+
+
+def on_own_thread(fn, *args, threads: int):
+    """Run `fn(*args)` on a fresh thread with `threads` intra-op threads; its OpenMP pool goes with it."""
+    result = []
+
+    def body() -> None:
+        torch.set_num_threads(threads)
+        result.append(fn(*args))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return result[0]

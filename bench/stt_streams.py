@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 
-from bench.common import through_checkpoint  # noqa: E402
+from bench.common import on_own_thread, through_checkpoint  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig  # noqa: E402
 from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
 from duplexd.engine.models.config import DEMO_MIMI_32, DEMO_STT, STT_1B, LMConfig  # noqa: E402
@@ -86,20 +85,6 @@ def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int, batch: int) -> f
                 gen.step_with_extra_heads(codes if previous is None else previous)  # frame 0 twice
                 previous = codes
     return sessions * frames / (time.perf_counter() - started)
-
-
-def on_own_thread(fn, *args, threads: int):
-    """Run `fn(*args)` on a fresh thread with `threads` intra-op threads; its OpenMP pool goes with it."""
-    result = []
-
-    def body() -> None:
-        torch.set_num_threads(threads)
-        result.append(fn(*args))
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join()
-    return result[0]
 
 
 def main() -> None:
