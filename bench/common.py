@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -154,3 +155,10 @@ def on_own_thread(fn, *args, threads: int):
     thread.start()
     thread.join()
     return result[0]
+
+
+def tone_with_noise(samples: int, sample_rate: int, seed: int) -> np.ndarray:
+    """A session's stand-in speech: a tone of its own pitch (140 + 10 * seed Hz) under a little noise."""
+    t = np.arange(samples) / sample_rate
+    noise = np.random.default_rng(seed).standard_normal(len(t))
+    return (0.2 * np.sin(2 * np.pi * (140 + 10 * seed) * t) + 0.02 * noise).astype(np.float32)

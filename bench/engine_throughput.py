@@ -24,11 +24,10 @@ from pathlib import Path
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 
-from bench.common import add_kv_dtype, on_own_thread, through_checkpoint  # noqa: E402
+from bench.common import add_kv_dtype, on_own_thread, through_checkpoint, tone_with_noise  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig  # noqa: E402
 from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
 from duplexd.engine.models.config import DEMO_MIMI, LMConfig
@@ -49,14 +48,8 @@ PARAMS = SamplingParams()  # the reference defaults: text 0.7 / 25, audio 0.8 / 
 FS = DEMO_MIMI.frame_size
 
 
-def _audio(frames: int, seed: int) -> np.ndarray:
-    t = np.arange(frames * FS) / DEMO_MIMI.sample_rate
-    noise = np.random.default_rng(seed).standard_normal(len(t))
-    return (0.2 * np.sin(2 * np.pi * (140 + 10 * seed) * t) + 0.02 * noise).astype(np.float32)
-
-
 def duplexd_fps(engine: Engine, sessions: int, frames: int) -> float:
-    audio = [_audio(frames, s) for s in range(sessions)]
+    audio = [tone_with_noise(frames * FS, DEMO_MIMI.sample_rate, s) for s in range(sessions)]
     started = time.perf_counter()
     opened = [engine.open_session(SamplingParams(seed=s)) for s in range(sessions)]
     for session, pcm in zip(opened, audio, strict=True):
@@ -75,7 +68,7 @@ def duplexd_fps(engine: Engine, sessions: int, frames: int) -> float:
 def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int) -> float:
     started = time.perf_counter()
     for s in range(sessions):
-        pcm = torch.from_numpy(split_frames(_audio(frames, s), FS))
+        pcm = torch.from_numpy(split_frames(tone_with_noise(frames * FS, DEMO_MIMI.sample_rate, s), FS))
         gen = RefLMGen(
             ref_lm,
             temp=PARAMS.audio_temperature,

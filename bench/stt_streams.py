@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 
-from bench.common import on_own_thread, through_checkpoint  # noqa: E402
+from bench.common import on_own_thread, through_checkpoint, tone_with_noise  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig  # noqa: E402
 from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
 from duplexd.engine.models.config import DEMO_MIMI_32, DEMO_STT, STT_1B, LMConfig  # noqa: E402
@@ -48,14 +48,8 @@ FS = MIMI.frame_size
 FRAME_RATE = MIMI.frame_rate
 
 
-def _audio(frames: int, seed: int) -> np.ndarray:
-    t = np.arange(frames * FS) / MIMI.sample_rate
-    noise = np.random.default_rng(seed).standard_normal(len(t))
-    return (0.2 * np.sin(2 * np.pi * (140 + 10 * seed) * t) + 0.02 * noise).astype(np.float32)
-
-
 def duplexd_fps(engine: Engine, sessions: int, frames: int) -> float:
-    audio = [_audio(frames, s) for s in range(sessions)]
+    audio = [tone_with_noise(frames * FS, MIMI.sample_rate, s) for s in range(sessions)]
     started = time.perf_counter()
     opened = [engine.open_session(GREEDY) for _ in range(sessions)]
     for session, pcm in zip(opened, audio, strict=True):
@@ -76,7 +70,7 @@ def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int, batch: int) -> f
     started = time.perf_counter()
     for first in range(0, sessions, batch):
         rows = range(first, min(first + batch, sessions))
-        pcm = torch.from_numpy(np.stack([_audio(frames, s) for s in rows]))
+        pcm = torch.from_numpy(np.stack([tone_with_noise(frames * FS, MIMI.sample_rate, s) for s in rows]))
         gen = RefLMGen(ref_lm, temp=0, temp_text=0)
         with gen.streaming(len(rows)), ref_mimi.streaming(len(rows)):
             previous = None
