@@ -26,7 +26,7 @@ class Feeder:
         self.session, self.frame_size, self.ahead, self.limit = session, frame_size, ahead, limit
         self.pushed = 0  # frames pushed into the session
         self.answered = 0  # of those, frames answered
-        self._pending = np.zeros(0, dtype=np.float32)
+        self._pending: np.ndarray = np.zeros(0, dtype=np.float32)
         self._room = asyncio.Event()
 
     @property
