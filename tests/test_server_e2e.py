@@ -459,6 +459,7 @@ BAD_INPUTS = [
     ),
     ("realtime-wrong-key", "realtime", {"Authorization": "Bearer nope"}, "", None, 1008),
     ("realtime-bad-origin", "realtime", {**AUTH, "Origin": "http://evil.example"}, "", None, 1008),
+    ("realtime-transcription-session-of-a-conversation-model", "realtime", AUTH, "intent=transcription", None, 1008),
 ]
 
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from . import kyutai, realtime, routes, stt_only, transcriptions
+from . import kyutai, realtime, routes, stt_only, transcription_session, transcriptions
 from .asr import endpoint as asr_endpoint
 from .asr import upload as asr_upload
 from .codec.streams import backend
@@ -71,6 +71,7 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
         app.include_router(asr_endpoint.router)
         app.include_router(asr_upload.router)
         app.include_router(stt_only.router)
+        app.include_router(transcription_session.router)
     else:
         app.include_router(kyutai.router)
         app.include_router(realtime.router)

@@ -25,7 +25,6 @@ gets a non-fatal `transcription_unavailable` and the conversation goes on untran
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
@@ -33,14 +32,7 @@ from fastapi import APIRouter, WebSocket
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.engine.errors import CapacityError, SessionClosed
-from duplexd.engine.transcription.service import (
-    SpeechBegan,
-    SpeechEnded,
-    TranscriptDelta,
-    TranscriptDone,
-    TranscriptEvent,
-    TranscriptFailed,
-)
+from duplexd.engine.transcription.service import TranscriptEvent
 from duplexd.wire import SAMPLE_RATE
 
 from . import realtime_events as ev
@@ -51,19 +43,15 @@ from .context import Context, ServerContext
 from .persona import KYUTAI, Names, Persona, PersonaRefused
 from .pump import Adapter, Pump
 from .query import BadQuery, sampling_from_query
+from .realtime_items import UserItems
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
-
-@dataclass
-class UserItem:
-    """One utterance's user item: its id from speech_started on; created (committed) when speech stops."""
-
-    id: str
-    committed: bool = False
-    ended: bool = False  # speech stopped
-    failed: bool = False
+NO_TRANSCRIPTION_SESSIONS = (
+    "transcription sessions (intent=transcription) are served by a speech-to-text model, and this server runs a "
+    "conversation model: open a conversation and turn on session.audio.input.transcription instead"
+)
 
 
 class RealtimeAdapter(Adapter):
@@ -82,8 +70,7 @@ class RealtimeAdapter(Adapter):
         self.transcription: dict | None = None
         self.samples_in = 0
         self.transcript_offset = 0
-        self.user_items: dict[int, UserItem] = {}
-        self.last_user_item: str | None = None
+        self.items = UserItems(self.audio_ms)
         # Persona (PersonaPlex with voices): the defaults until a session.update sets them; fixed (its prompt
         # started) by the first audio.
         self.personas = ctx.runtime.personas
@@ -238,13 +225,7 @@ class RealtimeAdapter(Adapter):
                 await self.ws.send_text(message)
 
     async def send_error(self, close: Close) -> None:
-        kind = (
-            "server_error"
-            if close.code in (CloseCode.INTERNAL_ERROR, CloseCode.TRY_AGAIN_LATER, CloseCode.GOING_AWAY)
-            else "invalid_request_error"
-        )
-        code = "resource_exhausted" if close.error == "capacity" else close.error
-        await self.send_text(ev.error_event(code, close.message, kind=kind))
+        await self.send_text(ev.close_error(close))
 
     def set_transcription(
         self, pump: Pump, event: ev.SessionUpdate, param: str, settings: ev.TranscriptionSettings | None
@@ -254,7 +235,7 @@ class RealtimeAdapter(Adapter):
         if settings is None:
             pump.stop_transcribing()
             self.transcription = None
-            self.user_items.clear()
+            self.items.clear()
             return
         prompt = ev.transcription_prompt(settings)
         if pump.transcript is not None:
@@ -272,28 +253,7 @@ class RealtimeAdapter(Adapter):
     async def send_transcript(self, event: TranscriptEvent) -> None:
         if self.transcription is None:  # turned off: what the stopped stream had left is not wanted
             return
-        messages: list[str] = []
-        if isinstance(event, SpeechBegan):
-            item = self.user_items[event.item] = UserItem(ev.new_id("item"))
-            messages.append(ev.speech_started(item.id, self.audio_ms(event.start_s)))
-        elif isinstance(event, SpeechEnded):
-            item = self.user_item(event.item)
-            item.ended = True
-            messages.append(ev.speech_stopped(item.id, self.audio_ms(event.end_s)))
-            messages += self.commit(item)
-            if item.failed:  # it failed while it was spoken: nothing more will come for it
-                del self.user_items[event.item]
-        elif isinstance(event, TranscriptDelta):
-            item = self.user_item(event.item)
-            messages += self.commit(item)
-            messages.append(ev.input_transcript_delta(item.id, event.text))
-        elif isinstance(event, TranscriptDone):
-            item = self.user_item(event.item)
-            messages += self.commit(item)
-            messages.append(ev.input_transcript_completed(item.id, event.text, event.end_s - event.start_s))
-            self.user_items.pop(event.item, None)
-        elif isinstance(event, TranscriptFailed):
-            messages += self.fail(event)
+        messages = self.items.events(event)
         async with self.send_lock:
             for message in messages:
                 await self.ws.send_text(message)
@@ -302,40 +262,14 @@ class RealtimeAdapter(Adapter):
         """Milliseconds of the session's input audio for a time on the transcript stream's timeline."""
         return round(self.transcript_offset * 1000 / SAMPLE_RATE + seconds * 1000)
 
-    def user_item(self, number: int) -> UserItem:
-        """The item of utterance `number` (one the service never announced gets an id now, so that every event
-        names an item)."""
-        if number not in self.user_items:
-            self.user_items[number] = UserItem(ev.new_id("item"))
-        return self.user_items[number]
-
-    def commit(self, item: UserItem) -> list[str]:
-        if item.committed:
-            return []
-        item.committed = True
-        previous, self.last_user_item = self.last_user_item, item.id
-        return ev.item_committed(item.id, previous)
-
-    def fail(self, event: TranscriptFailed) -> list[str]:
-        """A failed utterance: committed now if speech goes on (its speech_stopped still comes, for the same
-        item). A failure for an utterance that never began means the transcriber itself failed: every open item
-        fails with it, and the client also gets a non-fatal `error`."""
-        item = self.user_items.get(event.item)
-        if item is not None:
-            item.failed = True
-            if item.ended:
-                del self.user_items[event.item]
-            return [*self.commit(item), ev.input_transcript_failed(item.id, event.reason)]
-        messages = []
-        for item in self.user_items.values():
-            messages += [*self.commit(item), ev.input_transcript_failed(item.id, event.reason)]
-        self.user_items.clear()
-        messages.append(ev.error_event("transcription_failed", event.reason, kind="server_error"))
-        return messages
-
 
 @router.websocket("/v1/realtime")
 async def realtime(ws: WebSocket, ctx: Context) -> None:
+    if ws.query_params.get("intent") == "transcription":
+        await ws.accept()
+        await ws.send_text(ev.error_event("transcription_sessions_unavailable", NO_TRANSCRIPTION_SESSIONS))
+        await ws.close(CloseCode.POLICY_VIOLATION, "transcription sessions need a speech-to-text model")
+        return
     adapter = RealtimeAdapter(ws, ctx)
     subprotocol = ev.SUBPROTOCOL if ev.SUBPROTOCOL in offered_subprotocols(ws) else None
 

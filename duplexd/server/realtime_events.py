@@ -15,7 +15,7 @@ those of OpenAI's server VAD mode (speech started/stopped, the committed user it
 
 Client events are one pydantic union tagged by `type`, validated straight from the JSON text by a `TypeAdapter`
 built once: an audio append (12.5 a second per session) costs one pass in pydantic-core and no Python checks.
-A validation error is turned back into the error the protocol promises (`_refusal`) on the slow path only.
+A validation error is turned back into the error the protocol promises (`refusal`) on the slow path only.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class TranscriptionSettings(BaseModel):
     `model` is accepted and ignored: the server transcribes with the one it has, and says which."""
 
     model: str | None = None
-    language: str | None = Field(None, pattern=r"^[A-Za-z]{2}$")  # ISO-639-1
-    prompt: str | None = Field(None, max_length=MAX_TRANSCRIPTION_PROMPT)
+    language: str | None = Field(default=None, pattern=r"^[A-Za-z]{2}$")  # ISO-639-1
+    prompt: str | None = Field(default=None, max_length=MAX_TRANSCRIPTION_PROMPT)
 
 
 class AudioSide(BaseModel):
@@ -223,7 +223,7 @@ def parse_event(text: str) -> AudioAppend | SessionUpdate | TurnEvent:
     try:
         return CLIENT_EVENTS.validate_json(text)
     except ValidationError as e:
-        raise _refusal(e, text) from None
+        raise refusal(e, text) from None
 
 
 def decode_audio(event: AudioAppend) -> np.ndarray:
@@ -251,7 +251,7 @@ def encode_audio(pcm: np.ndarray) -> str:
     return wire.pcm16_base64(pcm)
 
 
-def _refusal(e: ValidationError, text: str) -> Close | RealtimeError:
+def refusal(e: ValidationError, text: str) -> Close | RealtimeError:
     """The protocol's answer to a client event that failed validation (the first error says which)."""
     err = e.errors(include_url=False)[0]
     kind, loc = err["type"], err["loc"]
@@ -289,7 +289,7 @@ def _refusal(e: ValidationError, text: str) -> Close | RealtimeError:
 # ----------------------------------------------------------------------------------------------- server events
 
 
-def _event(kind: str, **fields: Any) -> str:
+def server_event(kind: str, **fields: Any) -> str:
     return json.dumps({"type": kind, "event_id": event_id(), **fields}, separators=(",", ":"))
 
 
@@ -342,15 +342,15 @@ def session_object(
 
 
 def session_created(session: dict[str, Any]) -> str:
-    return _event("session.created", session=session)
+    return server_event("session.created", session=session)
 
 
 def session_updated(session: dict[str, Any]) -> str:
-    return _event("session.updated", session=session)
+    return server_event("session.updated", session=session)
 
 
 def response_created(response_id: str) -> str:
-    return _event(
+    return server_event(
         "response.created",
         response={
             "id": response_id,
@@ -382,7 +382,7 @@ def audio_delta(response_id: str, item_id: str, pcm: np.ndarray) -> str:
 
 
 def transcript_delta(response_id: str, item_id: str, text: str) -> str:
-    return _event(
+    return server_event(
         "response.output_audio_transcript.delta",
         response_id=response_id,
         item_id=item_id,
@@ -397,11 +397,11 @@ def transcript_delta(response_id: str, item_id: str, text: str) -> str:
 
 
 def speech_started(item_id: str, audio_start_ms: int) -> str:
-    return _event("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms, item_id=item_id)
+    return server_event("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms, item_id=item_id)
 
 
 def speech_stopped(item_id: str, audio_end_ms: int) -> str:
-    return _event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
+    return server_event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
 
 
 def user_audio_item(item_id: str) -> dict[str, Any]:
@@ -422,18 +422,20 @@ def item_committed(item_id: str, previous_item_id: str | None) -> list[str]:
     the GA `conversation.item.added` and `conversation.item.done`)."""
     item = user_audio_item(item_id)
     return [
-        _event("input_audio_buffer.committed", previous_item_id=previous_item_id, item_id=item_id),
-        _event("conversation.item.added", previous_item_id=previous_item_id, item=item),
-        _event("conversation.item.done", previous_item_id=previous_item_id, item=item),
+        server_event("input_audio_buffer.committed", previous_item_id=previous_item_id, item_id=item_id),
+        server_event("conversation.item.added", previous_item_id=previous_item_id, item=item),
+        server_event("conversation.item.done", previous_item_id=previous_item_id, item=item),
     ]
 
 
 def input_transcript_delta(item_id: str, delta: str) -> str:
-    return _event("conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0, delta=delta)
+    return server_event(
+        "conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0, delta=delta
+    )
 
 
 def input_transcript_completed(item_id: str, transcript: str, seconds: float) -> str:
-    return _event(
+    return server_event(
         "conversation.item.input_audio_transcription.completed",
         item_id=item_id,
         content_index=0,
@@ -443,7 +445,7 @@ def input_transcript_completed(item_id: str, transcript: str, seconds: float) ->
 
 
 def input_transcript_failed(item_id: str, reason: str) -> str:
-    return _event(
+    return server_event(
         "conversation.item.input_audio_transcription.failed",
         item_id=item_id,
         content_index=0,
@@ -471,4 +473,15 @@ def error_event(
     event_id: str | None = None,
     param: str | None = None,
 ) -> str:
-    return _event("error", error={"type": kind, "code": code, "message": message, "param": param, "event_id": event_id})
+    return server_event(
+        "error", error={"type": kind, "code": code, "message": message, "param": param, "event_id": event_id}
+    )
+
+
+def close_error(close: Close) -> str:
+    """The `error` event that tells a client why its connection is about to close (`resource_exhausted` at
+    capacity, as OpenAI says it)."""
+    server_side = (CloseCode.INTERNAL_ERROR, CloseCode.TRY_AGAIN_LATER, CloseCode.GOING_AWAY)
+    kind = "server_error" if close.code in server_side else "invalid_request_error"
+    code = "resource_exhausted" if close.error == "capacity" else close.error
+    return error_event(code, close.message, kind=kind)

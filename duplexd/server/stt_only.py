@@ -1,5 +1,6 @@
 """The conversation endpoints on a server whose model only transcribes (Kyutai STT): refused in each protocol's own
-words, so a Moshi client pointed at it is told where to go instead of hearing silence."""
+words, so a Moshi client pointed at it is told where to go instead of hearing silence. A Realtime client that asks
+for a transcription session (`?intent=transcription`) gets one (`transcription_session`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ from .closing import CloseCode
 router = APIRouter()
 
 MESSAGE = "this server runs a speech-to-text model, which does not converse: stream audio to /api/asr-streaming"
-REASON = "speech-to-text model: use /api/asr-streaming"  # a close reason holds at most 123 bytes
+REALTIME_MESSAGE = (
+    "this server runs a speech-to-text model, which does not converse: open a transcription session "
+    "(/v1/realtime?intent=transcription) or stream audio to /api/asr-streaming"
+)
+REASON = "speech-to-text model: use ?intent=transcription or /api/asr-streaming"  # a close reason: <= 123 bytes
 
 
 @router.websocket("/api/chat")
@@ -22,8 +27,8 @@ async def chat(ws: WebSocket) -> None:
     await ws.close(CloseCode.POLICY_VIOLATION, REASON)
 
 
-@router.websocket("/v1/realtime")
-async def realtime(ws: WebSocket) -> None:
+async def refuse_realtime(ws: WebSocket) -> None:
+    """A Realtime conversation asked of a speech-to-text model."""
     await ws.accept()
-    await ws.send_text(ev.error_event("model_not_conversational", MESSAGE))
+    await ws.send_text(ev.error_event("model_not_conversational", REALTIME_MESSAGE))
     await ws.close(CloseCode.POLICY_VIOLATION, REASON)

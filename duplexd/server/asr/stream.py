@@ -6,19 +6,41 @@ every `Marker` now due. A marker is due once the stream has stepped every whole 
 the ASR delay: moshi-server schedules it `asr_delay_in_tokens` steps after the frames it still buffered, so the
 words of all the audio sent before it have come out by then (the client keeps sending audio, silence if need be,
 for the stream to step).
+
+`step` gives a step as plain data (`AsrStep`), for the other protocol that serves these streams (Realtime
+transcription sessions); `answer` gives moshi-server's messages.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from duplexd.wire import FRAME_RATE
 
 from . import messages
-from .words import WordTimer
+from .words import WordEvent, WordTimer
+
+
+@dataclass(frozen=True)
+class AsrStep:
+    """One step of a stream: its index, word events, pause probabilities (None without pause heads), audio
+    received and not yet stepped, the markers now due, `now`: the stream's clock on the words' timeline (the delay
+    taken off: every word that ended before it has come out), and `gathering`: the start of a word not yet out."""
+
+    index: int
+    words: list[WordEvent]
+    pause: Sequence[float] | None
+    buffered: int
+    markers: list[int]
+    now: float
+    gathering: float | None
 
 
 class AsrStream:
-    """One stream's bookkeeping; `received` and `marker` as the client's messages arrive, `answer` per step."""
+    """One stream's bookkeeping; `received` and `marker` as the client's messages arrive, `step` (or `answer`) per
+    model step."""
 
     def __init__(self, delay: int, decode: Callable[[Sequence[int]], str], frame_size: int) -> None:
         self.words = WordTimer(delay, decode)
@@ -33,15 +55,23 @@ class AsrStream:
     def marker(self, marker_id: int) -> None:
         self._markers.append((self.samples // self.frame_size + self.delay, marker_id))
 
-    def answer(self, frame: int, token: int, pause: Sequence[float] | None) -> list[dict]:
-        """The messages of step `frame` (0, 1, ...), whose text token is `token` and pause probabilities `pause`
-        (None for a model without pause heads)."""
+    def step(self, frame: int, token: int, pause: Sequence[float] | None) -> AsrStep:
+        """Step `frame` (0, 1, ...), whose text token is `token` and pause probabilities `pause`."""
         self.steps = frame + 1
+        words = self.words.step(token)
+        due = []
+        while self._markers and self.steps >= self._markers[0][0]:
+            due.append(self._markers.popleft()[1])
+        buffered = max(self.samples - self.steps * self.frame_size, 0)
+        now = max(self.steps - self.delay, 0) / FRAME_RATE
+        return AsrStep(frame, words, pause, buffered, due, now, self.words.gathering)
+
+    def answer(self, frame: int, token: int, pause: Sequence[float] | None) -> list[dict]:
+        """moshi-server's messages for step `frame` (see `step`)."""
+        step = self.step(frame, token, pause)
         out: list[dict] = []
         if pause is not None:
-            buffered = max(self.samples - self.steps * self.frame_size, 0)
-            out.append(messages.step(frame, pause, buffered))
-        out.extend(messages.word_event(event) for event in self.words.step(token))
-        while self._markers and self.steps >= self._markers[0][0]:
-            out.append(messages.marker(self._markers.popleft()[1]))
+            out.append(messages.step(frame, pause, step.buffered))
+        out.extend(messages.word_event(event) for event in step.words)
+        out.extend(messages.marker(marker_id) for marker_id in step.markers)
         return out

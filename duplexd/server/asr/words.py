@@ -56,6 +56,13 @@ class WordTimer:
         self._pieces: list[int] = []
         self._open = False  # a word was sent and its EndWord not yet
         self._last_start = 0.0
+        self._started = False  # a word start (0) came and its word is not out yet
+
+    @property
+    def gathering(self) -> float | None:
+        """The start time of the word begun and not yet out (its start token came, or its pieces are being
+        gathered), None between words."""
+        return self._last_start if self._pieces or self._started else None
 
     def step(self, token: int) -> list[WordEvent]:
         self.steps += 1
@@ -67,6 +74,7 @@ class WordTimer:
                 events.append(Word(self.decode(self._pieces), self._last_start))
                 self._pieces = []
                 self._open = True
+                self._started = False
         else:
             self._pieces.append(token)
         if token == END_OF_PADDING:
@@ -75,4 +83,5 @@ class WordTimer:
                 events.append(EndWord(stop))
                 self._open = False
             self._last_start = stop
+            self._started = True
         return events

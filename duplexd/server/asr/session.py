@@ -1,0 +1,37 @@
+"""What every speech-to-text session needs, whichever protocol it speaks (`/api/asr-streaming`, Realtime
+transcription): its sampling, its stream's bookkeeping and the feeder of its audio."""
+
+from __future__ import annotations
+
+from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.dialogue.session import Session
+
+from ..context import ServerContext
+from .feeder import Feeder
+from .stream import AsrStream
+
+GREEDY = SamplingParams(text_temperature=0.0)  # moshi-server's default ASR temperature
+BACKLOG_SECONDS = 60.0  # audio read ahead of the model before the client is held back (moshi-server: no limit)
+# Frames of a stream in the engine at once: the engine steps one a step, so a few keep it busy while the event loop
+# refills them, and a fast client's frames wait here rather than in the inbox (where they would count as late).
+FRAMES_AHEAD = 4
+
+
+def asr_parameters() -> tuple[SamplingParams, int | None]:
+    """Greedy text, no frame limit: speech to text takes no parameters (as moshi-server's)."""
+    return GREEDY, None
+
+
+def new_stream(ctx: ServerContext) -> AsrStream:
+    """The bookkeeping of one stream of the served speech-to-text model."""
+    runtime = ctx.runtime
+    assert runtime.info.asr_delay_tokens is not None and runtime.tokenizer is not None
+    return AsrStream(runtime.info.asr_delay_tokens, runtime.tokenizer.decode, runtime.info.frame_size)
+
+
+def new_feeder(ctx: ServerContext, session: Session) -> Feeder:
+    """The feeder of an admitted session: at most `FRAMES_AHEAD` frames in the engine (within both of the
+    session's bounds), `BACKLOG_SECONDS` read ahead before the client is held back."""
+    info, settings = ctx.runtime.info, ctx.settings
+    ahead = min(FRAMES_AHEAD, settings.max_pending_frames, settings.max_output_frames)
+    return Feeder(session, info.frame_size, ahead, round(BACKLOG_SECONDS * info.sample_rate))
