@@ -36,7 +36,7 @@ from .codec.workers import CodecWorkerError
 from .codec_batches import CodecBatches
 from .context import Context, ServerContext
 from .persona import KYUTAI, Persona, PersonaRefused, Personas
-from .pump import Adapter, Pump
+from .pump import Adapter, Pump, binary_frame
 from .query import BadQuery, max_frames_from_query, sampling_from_query, transcription_from_query
 
 logger = logging.getLogger(__name__)
@@ -82,13 +82,7 @@ class KyutaiAdapter(Adapter):
         return None
 
     async def on_message(self, message: dict) -> np.ndarray | None:
-        data = message.get("bytes")
-        if data is None:
-            raise Close(
-                CloseCode.UNSUPPORTED_DATA,
-                "text_frame",
-                "text frames are not part of this protocol: send binary kind-byte messages",
-            )
+        data = binary_frame(message, "binary kind-byte messages")
         try:
             msg = protocol.decode(data)
         except protocol.ProtocolError as e:

@@ -101,6 +101,28 @@ async def receive(ws: WebSocket, timeout: float | None = None) -> dict:
     return cast(dict, message)  # starlette's Message is a dict typed as a MutableMapping
 
 
+def binary_frame(message: dict, expected: str) -> bytes:
+    """The bytes of a binary protocol's message; `Close` (1003) naming what to send (`expected`) for a text frame."""
+    data = message.get("bytes")
+    if data is None:
+        raise Close(
+            CloseCode.UNSUPPORTED_DATA, "text_frame", f"text frames are not part of this protocol: send {expected}"
+        )
+    return data
+
+
+def text_frame(message: dict) -> str:
+    """The text of a JSON protocol's message; `Close` (1003) for a binary frame."""
+    text = message.get("text")
+    if text is None:
+        raise Close(
+            CloseCode.UNSUPPORTED_DATA,
+            "binary_frame",
+            "binary frames are not part of this protocol: send JSON events as text",
+        )
+    return text
+
+
 def message_size(message: dict) -> int:
     data = message.get("bytes")
     return len(data) if data is not None else len(message.get("text") or "")

@@ -41,7 +41,7 @@ from .admission import serve
 from .closing import Close, CloseCode
 from .context import Context, ServerContext
 from .persona import KYUTAI, Names, Persona, PersonaRefused
-from .pump import Adapter, Pump
+from .pump import Adapter, Pump, text_frame
 from .query import BadQuery, sampling_from_query
 from .realtime_items import UserItems
 
@@ -102,13 +102,7 @@ class RealtimeAdapter(Adapter):
         )
 
     async def on_message(self, message: dict) -> np.ndarray | None:
-        text = message.get("text")
-        if text is None:
-            raise Close(
-                CloseCode.UNSUPPORTED_DATA,
-                "binary_frame",
-                "binary frames are not part of this protocol: send JSON events as text",
-            )
+        text = text_frame(message)
         try:
             event = ev.parse_event(text)
             if isinstance(event, ev.AudioAppend):  # the hot path: 12.5 a second per session

@@ -34,9 +34,9 @@ from .admission import serve
 from .asr.feeder import Feeder
 from .asr.session import asr_parameters, new_feeder, new_stream
 from .asr.turns import Turns
-from .closing import Close, CloseCode
+from .closing import Close
 from .context import Context, ServerContext
-from .pump import Adapter, Pump
+from .pump import Adapter, Pump, text_frame
 from .realtime_items import UserItems
 
 logger = logging.getLogger(__name__)
@@ -91,13 +91,7 @@ class TranscriptionAdapter(Adapter):
         await self.send_text(ev.server_event(self.event_name(self.beta, "created"), session=self.session_object()))
 
     async def on_message(self, message: dict) -> np.ndarray | None:
-        text = message.get("text")
-        if text is None:
-            raise Close(
-                CloseCode.UNSUPPORTED_DATA,
-                "binary_frame",
-                "binary frames are not part of this protocol: send JSON events as text",
-            )
+        text = text_frame(message)
         try:
             event = tev.parse_event(text)
             if isinstance(event, ev.AudioAppend):
