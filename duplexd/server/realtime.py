@@ -120,7 +120,7 @@ class RealtimeAdapter(Adapter):
                     event.event_id,
                 )
         except ev.RealtimeError as e:
-            await self.send_text(ev.error_event(e.code, e.message, event_id=e.event_id, param=e.param))
+            await self.send_text(e.event())
         return None
 
     async def update_session(self, event: ev.SessionUpdate) -> None:

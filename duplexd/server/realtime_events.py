@@ -197,6 +197,10 @@ class RealtimeError(Exception):
         super().__init__(message)
         self.code, self.message, self.event_id, self.param = code, message, event_id, param
 
+    def event(self) -> str:
+        """The `error` event that reports it."""
+        return error_event(self.code, self.message, event_id=self.event_id, param=self.param)
+
 
 def transcription_prompt(settings: TranscriptionSettings) -> str:
     """The instruction Gemma gets after each utterance (`instruction`: language and hint)."""

@@ -113,7 +113,7 @@ class TranscriptionAdapter(Adapter):
                     event.event_id,
                 )
         except ev.RealtimeError as e:
-            await self.send_text(ev.error_event(e.code, e.message, event_id=e.event_id, param=e.param))
+            await self.send_text(e.event())
         return None  # pushed by the feeder
 
     async def update(self, event: tev.SessionUpdate | tev.TranscriptionSessionUpdate) -> None:
