@@ -58,6 +58,30 @@ def test_host_work_catches_what_it_should():
     assert all("test_frame_host_sync" not in op.where for op in mode.ops)  # only duplexd's own lines are named
 
 
+def host_free_step(lm, mimi, mode: str, kv_dtype: str, positions: tuple[int, ...]):
+    """One meta frame step of slots 0, 2, 3, 5 at `positions` (each slot sought there first), in `mode`, checked
+    to do no host work; the pipeline and its output. The engine hands host audio (staged, then copied); offline
+    callers may hand a device tensor (exact-batch)."""
+    pipeline = Pipeline(
+        lm,
+        mimi,
+        num_slots=6,
+        buckets=(1, 2, 4, 6),
+        pad=mode != "exact-batch",
+        graphs=mode == "graphs-before-capture",
+        kv_dtype=kv_dtype,
+    )
+    slots = [0, 2, 3, 5]
+    for slot, position in zip(slots, positions, strict=True):
+        pipeline.seek(slot, position)
+    shape = (4, pipeline.frame_size)
+    pcm = torch.zeros(shape, device="meta") if mode == "exact-batch" else np.zeros(shape, np.float32)
+    with force_triton(), HostWork() as host:
+        out = pipeline.step(slots, pcm)
+    assert not host.ops, "host work inside the frame step:\n" + "\n".join(map(str, host.ops))
+    return pipeline, out
+
+
 @pytest.mark.parametrize(
     ("kv_dtype", "weights"),
     [
@@ -76,24 +100,9 @@ def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(request, meta_models, n
     if weights == "int8":
         lm = request.getfixturevalue("meta_int8_lm")
         assert isinstance(lm.layers[0].wqkv, Int8Weight) and not isinstance(lm.text_head, Int8Weight)
-    pipeline = Pipeline(
-        lm,
-        mimi,
-        num_slots=6,
-        buckets=(1, 2, 4, 6),
-        pad=mode != "exact-batch",
-        graphs=mode == "graphs-before-capture",
-        kv_dtype=kv_dtype,
-    )
+    # warming up, first output, full and wrapped window
+    pipeline, out = host_free_step(lm, mimi, mode, kv_dtype, (0, 1, 2999, 7000))
     assert (pipeline.lm_gen.kv.k_scales is None) == (kv_dtype == "bf16")
-    for slot, position in ((0, 0), (2, 1), (3, 2999), (5, 7000)):  # warming up, first output, full and wrapped
-        pipeline.seek(slot, position)
-    # The engine hands host audio (staged, then copied); offline callers may hand a device tensor.
-    shape = (4, pipeline.frame_size)
-    pcm = torch.zeros(shape, device="meta") if mode == "exact-batch" else np.zeros(shape, np.float32)
-    with force_triton(), HostWork() as host:
-        out = pipeline.step([0, 2, 3, 5], pcm)
-    assert not host.ops, "host work inside the frame step:\n" + "\n".join(map(str, host.ops))
     # int8 weights: every projection of the temporal step and the DepFormer (each step's 4 per layer, its input
     # projection and head) through the W8A16 kernel (the text head stays float); float weights never launch it
     cfg = lm.cfg
@@ -115,23 +124,9 @@ def test_stt_frame_step_makes_no_host_sync_and_runs_no_decoder(monkeypatch, no_l
         raise AssertionError("a text-only frame ran Mimi's decoder")
 
     monkeypatch.setattr(MimiModel, "decode_frame", never)
-    pipeline = Pipeline(
-        lm,
-        mimi,
-        num_slots=6,
-        buckets=(1, 2, 4, 6),
-        pad=mode != "exact-batch",
-        graphs=mode == "graphs-before-capture",
-        kv_dtype=kv_dtype,
-    )
+    # first step, second, full and wrapped window
+    pipeline, out = host_free_step(lm, mimi, mode, kv_dtype, (0, 1, 749, 2000))
     assert not pipeline.mimi.has_decoder
-    for slot, position in ((0, 0), (2, 1), (3, 749), (5, 2000)):  # first step, second, full and wrapped window
-        pipeline.seek(slot, position)
-    shape = (4, pipeline.frame_size)
-    pcm = torch.zeros(shape, device="meta") if mode == "exact-batch" else np.zeros(shape, np.float32)
-    with force_triton(), HostWork() as host:
-        out = pipeline.step([0, 2, 3, 5], pcm)
-    assert not host.ops, "host work inside the frame step:\n" + "\n".join(map(str, host.ops))
     assert out.valid == [True] * 4  # no delays: every step answers, from the first
     assert out.pcm.shape == (4, 0) and out.tokens.shape == (4, 1) and out.pause.shape == (4, 4)
     assert "_split_kernel" in no_launch  # the temporal step ran its paged attention
