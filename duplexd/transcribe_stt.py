@@ -25,9 +25,9 @@ from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CheckpointError, InputRefused
 from duplexd.engine.models.config import MIMI_PRESETS
 from duplexd.engine.models.tokenizer import TextTokenizer
-from duplexd.engine.weights.checkpoint import CONFIG_NAME, MIMI_NAME, MOSHI_NAME, load_lm, load_mimi, read_stt_settings
+from duplexd.engine.weights.checkpoint import CONFIG_NAME, checkpoint_names, load_lm, load_mimi, read_stt_settings
 from duplexd.engine.weights.demo import ensure_demo_stt
-from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME
+from duplexd.engine.weights.model_files import DTYPES
 from duplexd.server.asr.delay import delay_tokens
 from duplexd.server.asr.words import EndWord, Word, WordTimer
 from duplexd.wire import split_frames
@@ -55,17 +55,12 @@ def stt_files(model: str) -> SttFiles | None:
         return SttFiles(demo.lm, demo.mimi, demo.tokenizer, demo.config, demo.mimi_preset)
     folder = Path(model).expanduser()
     config = folder / CONFIG_NAME
-    if not config.is_file() or read_stt_settings(config) is None:
+    if not config.is_file():
         return None
-    raw = json.loads(config.read_text())
-    names = {key: raw.get(key) for key in ("moshi_name", "mimi_name", "tokenizer_name")}
-    files = SttFiles(
-        folder / (names["moshi_name"] or MOSHI_NAME),
-        folder / (names["mimi_name"] or MIMI_NAME),
-        folder / (names["tokenizer_name"] or TOKENIZER_NAME),
-        config,
-        "mimi-32",
-    )
+    names = checkpoint_names(config)
+    if not names.stt:
+        return None
+    files = SttFiles(folder / names.moshi, folder / names.mimi, folder / names.tokenizer, config, "mimi-32")
     for path in (files.lm, files.mimi, files.tokenizer):
         if not path.is_file():
             raise CheckpointError(f"{model}: {path.name} not found in the STT folder", "model")

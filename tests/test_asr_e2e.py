@@ -8,13 +8,16 @@ its text tokens turned into words by the transliteration of moshi-server's rules
 word, time, pause probability and the marker's step.
 
 The demo STT's random text head hardly ever writes padding or a word start, so it would never complete a word: the
-served copy has the head's rows for those two tokens redrawn larger (`words_model`), and its text has words.
+served copy has the head's rows for those two tokens redrawn larger (`words_model`), and its text has words. The
+served folder is laid out as Kyutai's STT repos are (their file names, which config.json names) and given to
+`--hf-repo` alone, as `--hf-repo kyutai/stt-1b-en_fr` would be.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -47,6 +50,7 @@ HEADERS = {"kyutai-api-key": KEY}
 DELAY = 6  # the demo STT's config: 0.5 s, as stt-1b
 SLOTS = 3
 MAX_MESSAGE = 256 << 10
+KYUTAI_MIMI, KYUTAI_TOKENIZER = "mimi-pytorch-e351c8d8@125.safetensors", "tokenizer_en_fr_audio_8000.model"
 
 
 def pack(message: dict) -> bytes:
@@ -58,25 +62,28 @@ def audio_message(pcm) -> bytes:
 
 
 def words_model(root: Path) -> DemoFiles:
-    """The demo STT in `root`, its text head's rows for word start (0) and padding (3) redrawn 4x the mean norm."""
+    """The demo STT in `root`, as Kyutai's STT repos lay it out (their file names, named by config.json), its text
+    head's rows for word start (0) and padding (3) redrawn 4x the mean norm."""
     demo = ensure_demo_stt(root / "cache")
     folder = root / "stt"
-    shutil.copytree(demo.root, folder)
-    weights = load_file(folder / demo.lm.name)
+    folder.mkdir()
+    files = DemoFiles(
+        folder, folder / "model.safetensors", folder / KYUTAI_MIMI, folder / "config.json", folder / KYUTAI_TOKENIZER,
+        demo.mimi_preset,
+    )  # fmt: skip
+    shutil.copy(demo.mimi, files.mimi)
+    shutil.copy(demo.tokenizer, files.tokenizer)
+    config = json.loads(demo.config.read_text())
+    config.update(mimi_name=KYUTAI_MIMI, tokenizer_name=KYUTAI_TOKENIZER)
+    files.config.write_text(json.dumps(config))
+    weights = load_file(demo.lm)
     head = weights["text_linear.weight"]
     gen = torch.Generator().manual_seed(0)
     for token in (0, 3):
         row = torch.randn(head.shape[1], generator=gen)
         head[token] = row / row.norm() * head.norm(dim=1).mean() * 4
-    save_file(weights, folder / demo.lm.name)
-    return DemoFiles(
-        folder,
-        folder / demo.lm.name,
-        folder / demo.mimi.name,
-        folder / demo.config.name,
-        folder / demo.tokenizer.name,
-        demo.mimi_preset,
-    )
+    save_file(weights, files.lm)
+    return files
 
 
 @dataclass
@@ -137,9 +144,8 @@ def reference(stt_files) -> Reference:
 def server(stt_files, tmp_path_factory):
     log = tmp_path_factory.mktemp("asr-server") / "serve.log"
     args = [
-        "--moshi-weight", str(stt_files.lm), "--mimi-weight", str(stt_files.mimi),
-        "--tokenizer", str(stt_files.tokenizer), "--config", str(stt_files.config),
-        "--mimi-preset", stt_files.mimi_preset, "--max-sessions", str(SLOTS), "--api-key", KEY,
+        "--hf-repo", str(stt_files.root), "--mimi-preset", stt_files.mimi_preset,  # the files its config.json names
+        "--max-sessions", str(SLOTS), "--api-key", KEY,
         "--max-message-bytes", str(MAX_MESSAGE), "--ws-ping-interval", "1", "--ws-ping-timeout", "2",
     ]  # fmt: skip
     with running_server(log, *args) as live:

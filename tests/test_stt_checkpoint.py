@@ -25,6 +25,7 @@ from duplexd.engine.weights.checkpoint import (
 )
 from duplexd.engine.weights.config_file import SttSettings
 from duplexd.engine.weights.demo import ensure_demo_stt
+from duplexd.engine.weights.model_files import model_files
 
 from .ref_models import fused_state_dict, reference_kwargs, reference_lm
 
@@ -122,3 +123,49 @@ def test_demo_stt_files(tmp_path):
     ref.load_state_dict(load_file(str(files.lm)), strict=True)
     mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset])
     assert mimi.cfg.num_codebooks == 32 and mimi.cfg.frame_size == 1920
+
+
+def _kyutai_stt_folder(root, demo):
+    """The demo STT's config.json with Kyutai's STT file names (the files themselves are not read here)."""
+    config = json.loads(demo.config.read_text())
+    config.update(mimi_name="mimi-pytorch-e351c8d8@125.safetensors", tokenizer_name="tokenizer_en_fr_audio_8000.model")
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def test_a_stt_repo_names_its_files_and_takes_mimi_32(tmp_path, monkeypatch):
+    """`--hf-repo` with a Kyutai STT repo (from the hub's cache, offline) or a local folder: the files its
+    config.json names, Mimi with all 32 codebooks unless a preset is given; a Moshi repo keeps 8."""
+    import huggingface_hub.constants as constants
+
+    demo = ensure_demo_stt(tmp_path / "demo")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hub" / "models--kyutai--stt-tiny"
+    _kyutai_stt_folder(repo_dir / "snapshots" / commit, demo)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub = model_files(hf_repo="kyutai/stt-tiny")
+    assert (hub.moshi, hub.mimi, hub.tokenizer, hub.mimi_preset) == (
+        "hf://kyutai/stt-tiny/model.safetensors",
+        "hf://kyutai/stt-tiny/mimi-pytorch-e351c8d8@125.safetensors",
+        "hf://kyutai/stt-tiny/tokenizer_en_fr_audio_8000.model",
+        "mimi-32",
+    )
+    folder = _kyutai_stt_folder(tmp_path / "local", demo)
+    local = model_files(hf_repo=str(folder))
+    assert (local.mimi, local.config, local.mimi_preset) == (
+        f"{folder}/mimi-pytorch-e351c8d8@125.safetensors",
+        str(folder / "config.json"),
+        "mimi-32",
+    )
+    assert model_files(hf_repo=str(folder), mimi_preset="demo-32").mimi_preset == "demo-32"
+    explicit = model_files(moshi_weight="m", mimi_weight="x", tokenizer="t", config=str(folder / "config.json"))
+    assert explicit.mimi_preset == "mimi-32"  # the config says speech to text
+    moshi = tmp_path / "moshi"
+    moshi.mkdir()
+    (moshi / "config.json").write_text(json.dumps({"dim": 4096}))
+    assert model_files(hf_repo=str(moshi)).mimi_preset == "mimi"
+    assert model_files(hf_repo=str(moshi)).tokenizer.endswith("/tokenizer_spm_32k_3.model")

@@ -79,7 +79,8 @@ def resolve_files(settings: ServerSettings) -> ModelFiles:
         tokenizer=settings.tokenizer,
         config=settings.config,
         hf_repo=settings.hf_repo,
-        mimi_preset=settings.mimi_preset,
+        # not given: chosen by the LM's config (32 codebooks for a speech-to-text model)
+        mimi_preset=settings.mimi_preset if "mimi_preset" in settings.model_fields_set else None,
     )
 
 

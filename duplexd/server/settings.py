@@ -61,9 +61,18 @@ class ServerSettings(BaseSettings):
     mimi_weight: str | None = opt(None, "Mimi weights", _MODEL, metavar="REF")
     tokenizer: str | None = opt(None, "sentencepiece text tokenizer", _MODEL, metavar="REF")
     config: str | None = opt(None, "reference config.json for the LM", _MODEL, metavar="REF")
-    hf_repo: str | None = opt(None, "take every file not given from this Hugging Face repo", _MODEL, metavar="ORG/REPO")
+    hf_repo: str | None = opt(
+        None,
+        "take every file not given from this Hugging Face repo (or a local folder holding one), those its "
+        "config.json names",
+        _MODEL,
+        metavar="ORG/REPO",
+    )
     mimi_preset: Literal["mimi", "demo", "mimi-32", "demo-32"] = opt(
-        "mimi", "Mimi architecture (the -32 ones: all 32 codebooks, for a speech-to-text LM)", _MODEL
+        "mimi",
+        "Mimi architecture (the -32 ones: all 32 codebooks, for a speech-to-text LM; mimi-32 is the default for "
+        "a Kyutai STT config)",
+        _MODEL,
     )
     asr_delay_tokens: int | None = opt(
         None,

@@ -46,6 +46,7 @@ from .hub import hub_file, hub_repo, resolve_file
 logger = logging.getLogger(__name__)
 
 MOSHI_NAME = "model.safetensors"
+MIMI_NAME = "tokenizer-e351c8d8-checkpoint125.safetensors"
 # `--weights-dtype int8` keeps the text head in the float dtype: on bench/weights_dtype.py its text logits are 3x
 # closer to the float model's (relative error 2.5e-3 against 7.0e-3, top-1 99.7 % against 98.6 %) for 0.12 GiB
 # on Moshi 7B, which changes no GPU's session count (docs/BENCHMARKS.md). A q8 file's int8 head stays as stored.
@@ -513,9 +514,23 @@ def checkpoint_ring_rule(cfg: LMConfig) -> LMConfig:
     return cfg if cfg.ring_rule == rule else dataclasses.replace(cfg, ring_rule=rule)
 
 
-def lm_file_name(ref: str | Path) -> str:
-    """The LM file a folder or hub repo `ref` holds: the one its config.json names (`moshi_name`, as moshi reads
-    it: Kyutai's q8 repos hold `model.q8.safetensors`), else `model.safetensors`."""
+TOKENIZER_NAME = "tokenizer_spm_32k_3.model"  # Moshi's sentencepiece model, in Kyutai's repos
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """The files of a checkpoint folder or hub repo, as its config.json names them (moshi reads `moshi_name`,
+    `mimi_name` and `tokenizer_name`: Kyutai's q8 and STT repos use them), the usual names where it does not;
+    `stt`: the config is a Kyutai speech-to-text model's (it reads all 32 of Mimi's codebooks)."""
+
+    moshi: str = MOSHI_NAME
+    mimi: str = MIMI_NAME
+    tokenizer: str = TOKENIZER_NAME
+    stt: bool = False
+
+
+def repo_config(ref: str | Path) -> Path | None:
+    """The config.json of a local folder or a hub repo id (downloaded), None when there is none."""
     text = str(ref).removeprefix("file://")
     folder = Path(text).expanduser()
     config = folder / CONFIG_NAME if folder.is_dir() else None
@@ -524,10 +539,30 @@ def lm_file_name(ref: str | Path) -> str:
             config = hub_file(text, CONFIG_NAME)
         except CheckpointError:
             pass
-    if config is None or not config.is_file():
-        return MOSHI_NAME
-    name = _read_config_json(config).get("moshi_name")
-    return name if isinstance(name, str) and name and "/" not in name else MOSHI_NAME
+    return config if config is not None and config.is_file() else None
+
+
+def checkpoint_names(config: Path | None) -> CheckpointNames:
+    """The file names `config` (a config.json, or None) gives; `CheckpointError` for a file that is not JSON."""
+    if config is None:
+        return CheckpointNames()
+    raw = _read_config_json(config)
+
+    def name(key: str, default: str) -> str:
+        value = raw.get(key)
+        return value if isinstance(value, str) and value and "/" not in value else default
+
+    return CheckpointNames(
+        name("moshi_name", MOSHI_NAME),
+        name("mimi_name", MIMI_NAME),
+        name("tokenizer_name", TOKENIZER_NAME),
+        read_stt_settings(config) is not None,
+    )
+
+
+def lm_file_name(ref: str | Path) -> str:
+    """The LM file a folder or hub repo `ref` holds: the one its config.json names, else `model.safetensors`."""
+    return checkpoint_names(repo_config(ref)).moshi
 
 
 def load_lm(
@@ -566,7 +601,6 @@ def load_lm(
 
 # --------------------------------------------------------------------------------------------------- Mimi
 
-MIMI_NAME = "tokenizer-e351c8d8-checkpoint125.safetensors"
 # Codebook buffer names of older checkpoints (the reference's `EuclideanCodebook._load_from_state_dict`).
 _OLD_CODEBOOK_NAMES = {
     "inited": "_initialized",

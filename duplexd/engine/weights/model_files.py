@@ -18,13 +18,20 @@ from safetensors import SafetensorError, safe_open
 from ..errors import CheckpointError
 from ..models.config import LMConfig
 from ..models.tokenizer import TextTokenizer
-from .checkpoint import CONFIG_NAME, MIMI_NAME, lm_config_for, lm_file_name
+from .checkpoint import (
+    CONFIG_NAME,
+    MIMI_NAME,
+    TOKENIZER_NAME,
+    checkpoint_names,
+    lm_config_for,
+    lm_file_name,
+    repo_config,
+)
 from .demo import ensure_demo
 from .hub import hub_repo, resolve_file
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_NAME = "tokenizer_spm_32k_3.model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,17 +54,23 @@ def model_files(
     tokenizer: str | None = None,
     config: str | None = None,
     hf_repo: str | None = None,
-    mimi_preset: str = "mimi",
+    mimi_preset: str | None = None,
 ) -> ModelFiles:
-    """Where the weights come from: explicit files, a Hugging Face repo, or (neither) the demo model."""
+    """Where the weights come from: explicit files, a Hugging Face repo (or a local folder holding one) for those
+    not given, or (neither) the demo model. The files not given are those the repo's config.json names. The Mimi
+    preset, when not given: all 32 codebooks (`mimi-32`) for a speech-to-text LM's config, else `mimi`."""
     if hf_repo:
-        repo = f"hf://{hf_repo}"
+        folder = Path(hf_repo).expanduser()
+        local = folder.is_dir()
+        base = str(folder) if local else f"hf://{hf_repo}"
+        found = repo_config(hf_repo)
+        names = checkpoint_names(found)
         return ModelFiles(
-            moshi_weight or f"{repo}/{lm_file_name(hf_repo)}",  # its config.json may name the file
-            mimi_weight or f"{repo}/{MIMI_NAME}",
-            tokenizer or f"{repo}/{TOKENIZER_NAME}",
-            config,
-            mimi_preset,
+            moshi_weight or f"{base}/{names.moshi}",
+            mimi_weight or f"{base}/{names.mimi}",
+            tokenizer or f"{base}/{names.tokenizer}",
+            config or (str(found) if local and found is not None else None),
+            mimi_preset or _mimi_preset(names.stt, config),
             hf_repo,
         )
     given = {"moshi_weight": moshi_weight, "mimi_weight": mimi_weight, "tokenizer": tokenizer}
@@ -66,10 +79,20 @@ def model_files(
         if missing:
             flags = ", ".join("--" + name.replace("_", "-") for name in missing)
             raise CheckpointError(f"{flags}: missing; pass them too, or --hf-repo to take them from a repo")
-        return ModelFiles(moshi_weight, mimi_weight, tokenizer, config, mimi_preset)  # type: ignore[arg-type]
+        preset = mimi_preset or _mimi_preset(False, config)
+        return ModelFiles(moshi_weight, mimi_weight, tokenizer, config, preset)  # type: ignore[arg-type]
     demo = ensure_demo()
     logger.warning("no weights given: using the demo model (random weights; it speaks noise)")
     return ModelFiles(str(demo.lm), str(demo.mimi), str(demo.tokenizer), config or str(demo.config), "demo")
+
+
+def _mimi_preset(stt: bool, config: str | None) -> str:
+    """`mimi-32` for a speech-to-text LM (its repo's config, or a local `config` given), else `mimi`."""
+    if not stt and config is not None and Path(config).expanduser().is_file():
+        stt = checkpoint_names(Path(config).expanduser()).stt
+    if stt:
+        logger.info("a speech-to-text LM: Mimi with all 32 codebooks (mimi-32)")
+    return "mimi-32" if stt else "mimi"
 
 
 def local_file(ref: str, default_name: str, option: str) -> Path:
