@@ -31,7 +31,8 @@ def q8_folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("q8")
     save_lm_weights(load_lm(demo.lm, demo.config, weights_dtype="int8"), root / Q8_NAME)
     config = json.loads(demo.config.read_text())
-    (root / "config.json").write_text(json.dumps({**config, "moshi_name": Q8_NAME, "quantize": True}))
+    names = {"moshi_name": Q8_NAME, "mimi_name": MIMI_NAME, "tokenizer_name": TOKENIZER_NAME}
+    (root / "config.json").write_text(json.dumps({**config, **names, "quantize": True}))
     shutil.copy(demo.mimi, root / MIMI_NAME)  # the file names of Kyutai's repos
     shutil.copy(demo.tokenizer, root / TOKENIZER_NAME)
     return root
