@@ -28,6 +28,7 @@ import msgpack
 import numpy as np
 import pytest
 import soundfile as sf
+import sphn
 import torch
 from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
@@ -40,6 +41,7 @@ from duplexd.engine.models.config import MIMI_PRESETS
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.weights.checkpoint import load_lm, load_mimi
 from duplexd.engine.weights.demo import DemoFiles, ensure_demo_stt
+from duplexd.server.codec.streams import OggOpusDecoder
 
 from .live_server import running_server
 from .test_asr_words import RustAsr
@@ -49,6 +51,7 @@ KEY = "public_token"
 HEADERS = {"kyutai-api-key": KEY}
 DELAY = 6  # the demo STT's config: 0.5 s, as stt-1b
 SLOTS = 3
+IDLE = 3.0  # --asr-idle-timeout, moshi-server's 120 s made short
 MAX_MESSAGE = 256 << 10
 KYUTAI_MIMI, KYUTAI_TOKENIZER = "mimi-pytorch-e351c8d8@125.safetensors", "tokenizer_en_fr_audio_8000.model"
 
@@ -145,7 +148,7 @@ def server(stt_files, tmp_path_factory):
     log = tmp_path_factory.mktemp("asr-server") / "serve.log"
     args = [
         "--hf-repo", str(stt_files.root), "--mimi-preset", stt_files.mimi_preset,  # the files its config.json names
-        "--max-sessions", str(SLOTS), "--api-key", KEY,
+        "--max-sessions", str(SLOTS), "--api-key", KEY, "--asr-idle-timeout", str(IDLE),
         "--max-message-bytes", str(MAX_MESSAGE), "--ws-ping-interval", "1", "--ws-ping-timeout", "2",
     ]  # fmt: skip
     with running_server(log, *args) as live:
@@ -236,6 +239,71 @@ def test_dsm_file_client(server, reference, rtf):
     assert all(s["buffered_pcm"] >= 0 for s in steps)
     # order: each step's Step comes before its words
     assert received[1]["type"] == "Step"
+
+
+def test_ogg_opus_is_heard_as_its_decoded_audio(server, reference):
+    """`OggOpus` messages, as sphn (Kyutai's clients) writes the stream, in 80 ms pieces: the words and pause
+    probabilities are those of the decoded audio sent as samples."""
+    wait_idle(server)
+    audio = np.concatenate([speech(2.0, seed=7), np.zeros(RATE, np.float32)])
+    writer = sphn.OpusStreamWriter(RATE)
+    pages = [page for i in range(0, len(audio), FRAME) if (page := writer.append_pcm(audio[i : i + FRAME]))]
+    decoder = OggOpusDecoder(RATE)
+    heard = np.concatenate([decoder.decode(page) for page in pages])
+
+    async def main() -> list[dict]:
+        async with connect(server.ws(), additional_headers=HEADERS) as ws:
+            assert msgpack.unpackb(await ws.recv()) == {"type": "Ready"}
+            for page in pages:
+                await ws.send(pack({"type": "OggOpus", "data": page}))
+            await ws.send(pack({"type": "Marker", "id": 7}))
+            silence = writer.append_pcm(np.zeros(RATE * 2, np.float32))
+            await ws.send(pack({"type": "OggOpus", "data": silence}))
+            received = []
+            while not received or received[-1]["type"] != "Marker":
+                received.append(msgpack.unpackb(await asyncio.wait_for(ws.recv(), 30)))
+            return received
+
+    received = run(main())
+    steps = [m for m in received if m["type"] == "Step"]
+    assert len(steps) == len(heard) // FRAME + DELAY and received[-1] == {"type": "Marker", "id": 7}
+    expected = reference.run(heard, len(steps))
+    assert [m for m in received if m["type"] in ("Word", "EndWord")] == expected.words
+    assert sum(m["type"] == "Word" for m in expected.words) >= 3, "the model should write words"
+    np.testing.assert_allclose([s["prs"] for s in steps], expected.pause, atol=1e-4)
+
+
+def test_a_silent_stream_is_closed_after_the_idle_timeout(server):
+    """moshi-server's idle rule, its 120 s made `IDLE` here: a stream with no message is closed (1000), the
+    others are not."""
+    wait_idle(server)
+
+    async def main() -> tuple[float, int, float]:
+        async with (
+            connect(server.ws(), additional_headers=HEADERS) as silent,
+            connect(server.ws(), additional_headers=HEADERS) as talking,
+        ):
+            await silent.recv(), await talking.recv()
+            started = time.monotonic()
+            sender = asyncio.create_task(keep_talking(talking))
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    await silent.recv()
+            waited = time.monotonic() - started
+            await asyncio.sleep(1.0)
+            sender.cancel()
+            alive = time.monotonic() - started
+            await talking.send(audio_message(np.zeros(FRAME)))  # still open
+            return waited, closed.value.rcvd.code, alive
+
+    async def keep_talking(ws) -> None:
+        while True:
+            await ws.send(audio_message(np.zeros(FRAME)))
+            await asyncio.sleep(0.08)
+
+    waited, code, alive = run(main())
+    assert IDLE - 0.5 <= waited <= IDLE + 3 and code == 1000
+    assert alive > IDLE
 
 
 class STTWordMessage(BaseModel):

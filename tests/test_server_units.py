@@ -96,7 +96,10 @@ def test_settings_from_the_environment(monkeypatch):
     s = ServerSettings(port=9100)  # flags (init values) win over the environment
     assert s.port == 9100 and s.devices == ["cuda:0", "cuda:1"] and s.kv_memory == int(1.5 * 2**30)
     assert s.allowed_origins == ["https://a.example", "https://b.example"] and s.log_level == "debug"
-    assert s.demo and s.max_session_frames == 4500
+    assert s.demo and s.session_frames(speech_to_text=False) == 4500
+    assert s.session_frames(speech_to_text=True) is None  # moshi-server caps no ASR stream
+    explicit = ServerSettings(max_session_seconds=60)
+    assert explicit.session_frames(True) == explicit.session_frames(False) == 750
     assert ServerSettings(kv_memory="500MB").kv_memory == 500 * 10**6 and ServerSettings(kv_memory=123).kv_memory == 123
     assert ServerSettings(max_message_bytes="2MiB").max_message_bytes == 2 << 20
     for bad in ({"kv_memory": "lots"}, {"kv_memory": 0}, {"max_message_bytes": "1KB"}):

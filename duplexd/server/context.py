@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -27,7 +28,9 @@ class ServerContext:
     @property
     def limits(self) -> Limits:
         s = self.settings
-        return Limits(s.idle_timeout, s.send_timeout, s.max_session_seconds, s.max_message_bytes, s.late_frame_seconds)
+        seconds = s.session_seconds(self.runtime.info.asr_delay_tokens is not None)
+        length = math.inf if seconds is None else seconds
+        return Limits(s.idle_timeout, s.send_timeout, length, s.max_message_bytes, s.late_frame_seconds)
 
 
 def get_context(conn: HTTPConnection) -> ServerContext:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -267,8 +268,9 @@ class Pump:
             asyncio.create_task(self._until_ended(), name="ws-end"),
         ]
         try:
-            remaining = self.limits.max_session_seconds - (time.monotonic() - self.started)
-            done, _ = await asyncio.wait(tasks, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+            remaining = self.limits.max_session_seconds - (time.monotonic() - self.started)  # inf: no cap
+            timeout = None if math.isinf(remaining) else max(remaining, 0)
+            done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 outcome: BaseException | None = Close(
                     CloseCode.NORMAL, "max_session_length", "maximum session length reached"

@@ -306,7 +306,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
             max_sessions=settings.max_sessions,
             kv_memory=settings.kv_memory,
             kv_dtype=settings.kv_dtype,
-            max_session_frames=settings.max_session_frames,
+            max_session_frames=settings.session_frames(lm.cfg.text_only),
             max_pending_frames=settings.max_pending_frames,
             max_output_frames=settings.max_output_frames,
             device=device,

@@ -128,8 +128,13 @@ class ServerSettings(BaseSettings):
     max_output_frames: int = opt(
         50, "output frames queued per session, the oldest dropped beyond (50 = 4 s)", _CAP, ge=1
     )
-    max_session_seconds: float = opt(360.0, "maximum session length in seconds", _CAP, gt=0)
+    max_session_seconds: float = opt(
+        360.0, "maximum session length in seconds (speech-to-text streams: no cap unless given)", _CAP, gt=0
+    )
     idle_timeout: float = opt(30.0, "close a session after this many seconds without a client message", _CAP, gt=0)
+    asr_idle_timeout: float = opt(
+        120.0, "the same for an /api/asr-streaming stream (moshi-server's 120 s)", _CAP, metavar="SECONDS", gt=0
+    )
     send_timeout: float = opt(10.0, "close a client whose socket blocks a send this many seconds", _CAP, gt=0)
     max_message_bytes: ByteSize = opt(
         ByteSize(1 << 20), "largest client message, e.g. 1MiB (at least 1KiB)", _CAP, metavar="SIZE", ge=1024
@@ -283,9 +288,16 @@ class ServerSettings(BaseSettings):
         given = (self.hf_repo, self.moshi_weight, self.mimi_weight, self.tokenizer, self.random_weights)
         return not any(given)
 
-    @property
-    def max_session_frames(self) -> int:
-        return math.ceil(self.max_session_seconds * FRAME_RATE)
+    def session_seconds(self, speech_to_text: bool) -> float | None:
+        """The cap on a session's length: `--max-session-seconds`, except on a speech-to-text model's streams
+        unless it was given (moshi-server has no cap: a meeting's transcript runs for hours). None: no cap."""
+        if speech_to_text and "max_session_seconds" not in self.model_fields_set:
+            return None
+        return self.max_session_seconds
+
+    def session_frames(self, speech_to_text: bool) -> int | None:
+        seconds = self.session_seconds(speech_to_text)
+        return None if seconds is None else math.ceil(seconds * FRAME_RATE)
 
     @property
     def scheme(self) -> str:

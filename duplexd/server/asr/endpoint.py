@@ -7,7 +7,7 @@ refusal at capacity. Audio (`Audio` samples, or `OggOpus` decoded on the codec t
 through a `Feeder`; each step comes back as `AsrStream` says. A message that cannot be read ends the connection
 with an `Error` saying why and a close code (1003 text frame, 1007 bad message, 1009 too big), never touching any
 other stream. As moshi-server: the server pings every `--ws-ping-interval` (10 s) and drops a client that does not
-answer, and drops one that sent nothing for `IDLE_SECONDS`.
+answer, and drops one that sent nothing for `--asr-idle-timeout` (120 s).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 
-from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.dialogue.session import SessionOutput
 
 from ..access import access_denied
@@ -29,33 +28,16 @@ from ..codec.errors import AudioError
 from ..codec.workers import CodecWorkerError
 from ..codec_batches import CodecBatches, Decoder, Encoder
 from ..context import Context, ServerContext
-from ..pump import Adapter, Pump
+from ..pump import Adapter, Pump, binary_frame
 from . import messages
 from .feeder import Feeder
-from .stream import AsrStream
+from .session import asr_parameters, new_feeder, new_stream
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
 PATH = "/api/asr-streaming"
 NO_FREE_CHANNELS = "no free channels"  # moshi-server's refusal at capacity, which Unmute recognises
-IDLE_SECONDS = 120.0  # moshi-server's limit on a client that sends no message
-BACKLOG_SECONDS = 60.0  # audio read ahead of the model before the client is held back (moshi-server: no limit)
-# Frames of a stream in the engine at once: the engine steps one a step, so a few keep it busy while the event loop
-# refills them, and a fast client's frames wait here rather than in the inbox (where they would count as late).
-FRAMES_AHEAD = 4
-
-
-def new_stream(ctx: ServerContext) -> AsrStream:
-    """The bookkeeping of one stream of the served speech-to-text model."""
-    runtime = ctx.runtime
-    assert runtime.info.asr_delay_tokens is not None and runtime.tokenizer is not None
-    return AsrStream(runtime.info.asr_delay_tokens, runtime.tokenizer.decode, runtime.info.frame_size)
-
-
-def frames_ahead(ctx: ServerContext) -> int:
-    """Frames a stream may have pushed and not yet answered: within both of the session's bounds."""
-    return min(FRAMES_AHEAD, ctx.settings.max_pending_frames, ctx.settings.max_output_frames)
 
 
 class AsrAdapter(Adapter):
@@ -70,18 +52,10 @@ class AsrAdapter(Adapter):
         self.opus: tuple[Decoder, Encoder] | None = None  # made for the first OggOpus message
 
     def admitted(self, pump: Pump) -> None:
-        info = self.ctx.runtime.info
-        limit = round(BACKLOG_SECONDS * info.sample_rate)
-        self.feeder = Feeder(pump.session, info.frame_size, frames_ahead(self.ctx), limit)
+        self.feeder = new_feeder(self.ctx, pump.session)
 
     async def on_message(self, message: dict) -> np.ndarray | None:
-        data = message.get("bytes")
-        if data is None:
-            raise Close(
-                CloseCode.UNSUPPORTED_DATA,
-                "text_frame",
-                "text frames are not part of this protocol: send MessagePack maps in binary frames",
-            )
+        data = binary_frame(message, "MessagePack maps in binary frames")
         try:
             msg = messages.decode(data)
         except messages.MessageError as e:
@@ -122,14 +96,6 @@ class AsrAdapter(Adapter):
         await self.send_bytes(messages.pack(messages.error(text)))
 
 
-GREEDY = SamplingParams(text_temperature=0.0)  # moshi-server's default ASR temperature
-
-
-def _parameters() -> tuple[SamplingParams, int | None]:
-    """moshi-server's ASR takes no parameters."""
-    return GREEDY, None
-
-
 @router.websocket(PATH)
 async def asr_streaming(ws: WebSocket, ctx: Context) -> None:
     denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)
@@ -143,11 +109,11 @@ async def asr_streaming(ws: WebSocket, ctx: Context) -> None:
     adapter = AsrAdapter(ws, ctx)
 
     async def greet(pump: Pump) -> None:
-        pump.limits = dataclasses.replace(pump.limits, idle_timeout=IDLE_SECONDS)
+        pump.limits = dataclasses.replace(pump.limits, idle_timeout=ctx.settings.asr_idle_timeout)
         adapter.admitted(pump)
         await adapter.send_bytes(messages.pack(messages.ready()))
 
     try:
-        await serve(ctx, adapter, None, _parameters, greet)
+        await serve(ctx, adapter, None, asr_parameters, greet)
     finally:
         adapter.release()

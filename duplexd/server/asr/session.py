@@ -29,9 +29,9 @@ def new_stream(ctx: ServerContext) -> AsrStream:
     return AsrStream(runtime.info.asr_delay_tokens, runtime.tokenizer.decode, runtime.info.frame_size)
 
 
-def new_feeder(ctx: ServerContext, session: Session) -> Feeder:
+def new_feeder(ctx: ServerContext, session: Session, backlog_seconds: float = BACKLOG_SECONDS) -> Feeder:
     """The feeder of an admitted session: at most `FRAMES_AHEAD` frames in the engine (within both of the
-    session's bounds), `BACKLOG_SECONDS` read ahead before the client is held back."""
+    session's bounds), `backlog_seconds` read ahead before the client is held back."""
     info, settings = ctx.runtime.info, ctx.settings
     ahead = min(FRAMES_AHEAD, settings.max_pending_frames, settings.max_output_frames)
-    return Feeder(session, info.frame_size, ahead, round(BACKLOG_SECONDS * info.sample_rate))
+    return Feeder(session, info.frame_size, ahead, round(backlog_seconds * info.sample_rate))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import math
 import time
 
 import numpy as np
@@ -27,8 +28,8 @@ from duplexd.engine.errors import CapacityError
 from ..access import key_ok
 from ..audio_upload import MAX_RATE, MIN_RATE, UploadError, sniff
 from ..context import Context, ServerContext
-from .endpoint import GREEDY, PATH, frames_ahead, new_stream
-from .feeder import Feeder
+from .endpoint import PATH
+from .session import GREEDY, new_feeder, new_stream
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -100,7 +101,7 @@ async def _admit(ctx: ServerContext) -> Session:
 async def transcribe(ctx: ServerContext, session: Session, pcm: np.ndarray) -> list[dict]:
     """The Word and EndWord messages of `pcm` streamed through `session`, up to its marker's echo."""
     stream = new_stream(ctx)
-    feeder = Feeder(session, ctx.runtime.info.frame_size, frames_ahead(ctx))
+    feeder = new_feeder(ctx, session, backlog_seconds=0)  # the whole file is here: pushed as answers come
     stream.received(len(pcm))
     stream.marker(0)
     feeder.add(pcm)
@@ -128,7 +129,7 @@ async def transcribe_file(request: Request, ctx: Context) -> Response:
             raise Refused(401, "invalid_api_key", "missing or wrong API key")
         settings = ctx.settings
         data = await _body(request, int(settings.max_upload_bytes))
-        seconds = min(settings.max_transcribe_seconds, settings.max_session_seconds)
+        seconds = min(settings.max_transcribe_seconds, settings.session_seconds(True) or math.inf)
         try:
             pcm = await asyncio.to_thread(decode_24k, data, seconds)
         except UploadError as e:
