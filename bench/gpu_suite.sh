@@ -18,7 +18,10 @@
 #      Moshi 7B's decode shapes, M 1 8 64, checked against the torch reference; p50/p99 step at 1, 8 and 64 sessions
 #      in full windows with bf16 and int8 weights and their ratio, goal <= 0.75 at batch 1; teacher-forced text and
 #      first-codebook logit agreement of int8 weights, text head int8 and float, against bf16), in what is left;
-#   7. summary.md with every table (stage 6's tables are in weights_dtype.log and printed after it); the short
+#   7. speech-to-text streams (bench/gpu_capacity.py on Kyutai STT 1B: random bf16 weights, its real config, Mimi
+#      at 32 codebooks, every session at the end of its 750-frame window: the most streams with p99 step <= 80 ms,
+#      goal >= 600; moshi-server's figure is 400 on an H100), in what is left, into stt/;
+#   8. summary.md with every table (stage 6's tables are in weights_dtype.log and printed after it); the short
 #      summary is printed last.
 # Everything goes into one folder: $OUT if set, else bench/out/gpu-<date>. Each stage runs under its own timeout,
 # and all of them under SUITE_BUDGET seconds (default 560), so one stage hanging cannot eat the rest. The exit
@@ -28,7 +31,7 @@
 # Other knobs: PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3), WHEELS (default .whl),
 # SITE (default /tmp/duplexd-site), DEVICE, LOAD_SECONDS, CAPACITY_ARGS (replaces the sweep's arguments),
 # PREFILL_ARGS (replaces the prompt prefill bench's arguments), KV_ARGS (replaces the 8-bit KV bench's arguments),
-# W8_ARGS (replaces the 8-bit weights bench's arguments).
+# W8_ARGS (replaces the 8-bit weights bench's arguments), STT_ARGS (replaces the STT streams' arguments).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -55,7 +58,9 @@ if [ "$DRY" = 1 ]; then
   DEFAULT_KV="--preset demo --device $DEVICE --frames 200 --rows 2 --batches 1 2 --steps 5"
   DEFAULT_W8="--preset demo --device $DEVICE --stages kernel steps agreement --frames 40 --rows 2 --batches 1 2
     --steps 5 --repeats 5"
-  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_PREFILL=60 T_READY=60 T_KV=60 T_W8=60
+  DEFAULT_STT="--preset demo-stt --device $DEVICE --batches 1 2 4 --steps 10 --max-sessions 4 --granularity 1
+    --budget-ms 1000 --position 31"
+  T_INSTALL=60 T_KERNELS=60 T_CAPACITY=120 T_PREFILL=60 T_READY=60 T_KV=60 T_W8=60 T_STT=60
 else
   PRESET=moshi-7b DEVICE=${DEVICE:-cuda:0} LOAD_SECONDS=${LOAD_SECONDS:-45}
   DEFAULT_CAPACITY="--preset moshi-7b --device $DEVICE --batches 1 8 32 48 64 72 80 --steps 200 --granularity 4"
@@ -69,12 +74,16 @@ else
   # 7B models; weights_dtype.json is rewritten after each stage, so a cut leaves the earlier ones.
   DEFAULT_W8="--preset moshi-7b --device $DEVICE --stages kernel steps agreement --batches 1 8 64 --steps 40
     --repeats 50 --frames 200 --rows 4"
-  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=110 T_W8=100
+  # 100 timed steps a batch (a p99 near the maximum, said so), bisection over multiples of 32 up to 1024 slots
+  DEFAULT_STT="--preset stt-1b --device $DEVICE --batches 1 64 256 400 512 640 --steps 100 --granularity 32
+    --max-sessions 1024 --position 749"
+  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=110 T_W8=100 T_STT=120
 fi
 CAPACITY_ARGS=${CAPACITY_ARGS:-$DEFAULT_CAPACITY}
 PREFILL_ARGS=${PREFILL_ARGS:-$DEFAULT_PREFILL}
 KV_ARGS=${KV_ARGS:-$DEFAULT_KV}
 W8_ARGS=${W8_ARGS:-$DEFAULT_W8}
+STT_ARGS=${STT_ARGS:-$DEFAULT_STT}
 FIRST_FAILURE=0
 
 say() { echo "[gpu_suite $(($(date +%s) - STARTED))s] $*"; }
@@ -233,8 +242,13 @@ stage kv_dtype "$(allow "$T_KV" $((5 + T_W8)))" "$PYTHON" bench/kv_dtype.py $KV_
 grep -E '^(capacity|write|agreement|steps|no CUDA)' "$DIR/kv_dtype.log" | tail -n 12
 
 # shellcheck disable=SC2086
-stage weights_dtype "$(allow "$T_W8" 5)" "$PYTHON" bench/weights_dtype.py $W8_ARGS --out "$DIR"
+stage weights_dtype "$(allow "$T_W8" 65)" "$PYTHON" bench/weights_dtype.py $W8_ARGS --out "$DIR"
 grep -E '^(capacity|kernel|steps|agreement|no CUDA)' "$DIR/weights_dtype.log" | tail -n 60
+
+mkdir -p "$DIR/stt"
+# shellcheck disable=SC2086
+stage stt_capacity "$(allow "$T_STT" 5)" "$PYTHON" bench/gpu_capacity.py $STT_ARGS --out "$DIR/stt"
+grep -E '^(batch |capacity|FAILED|note)' "$DIR/stt_capacity.log" | tail -n 20
 
 "$PYTHON" bench/gpu_summary.py "$DIR" > "$DIR/summary.log" 2>&1 || record summary $? 0
 say "done in $(($(date +%s) - STARTED)) s; everything is in $DIR"

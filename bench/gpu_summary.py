@@ -3,9 +3,9 @@
 Usage: python bench/gpu_summary.py DIR
 
 Reads what the stages left in DIR (stages.tsv, gpu_kernels.log's JSON line, gpu_capacity.json/.md,
-prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt, kv_dtype.json) and tolerates any of them
-missing: a stage that failed or timed out says so instead of its table (the prompt prefill bench prints a partial
-line after batch 1, so a run cut short still shows that).
+prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt, kv_dtype.json, stt/gpu_capacity.json/.md)
+and tolerates any of them missing: a stage that failed or timed out says so instead of its table (the prompt
+prefill bench prints a partial line after batch 1, so a run cut short still shows that).
 Standard library only, so it runs whatever else went wrong.
 """
 
@@ -67,16 +67,16 @@ def kernels_table(data: dict | None) -> tuple[str, str]:
     return "\n".join(lines), f"kernels: {len(rows)} cases, {failed} failed checks, {slower} slower than eager"
 
 
-def capacity_verdict(data: dict | None) -> str:
+def capacity_verdict(data: dict | None, what: str = "capacity", log: str = "gpu_capacity.log") -> str:
     if data is None:
-        return "capacity: no result (see gpu_capacity.log)"
+        return f"{what}: no result (see {log})"
     if data.get("status") == "failed":
         f = data["failed"] or {}
-        return f"capacity: FAILED at batch {f.get('batch')}: {f.get('error')} (no capacity claimed)"
+        return f"{what}: FAILED at batch {f.get('batch')}: {f.get('error')} (no capacity claimed)"
     if data.get("status") != "ok":
-        return f"capacity: sweep unfinished ({data.get('status')}); see the table"
+        return f"{what}: sweep unfinished ({data.get('status')}); see the table"
     return (
-        f"capacity: {data['realtime_sessions']} sessions with p99 step <= {data['budget_ms']:g} ms "
+        f"{what}: {data['realtime_sessions']} sessions with p99 step <= {data['budget_ms']:g} ms "
         f"(KV pool admits {data['kv_sessions']}); batch-1 step p50 {data['batch1_p50_ms']} ms, "
         f"p99 {data['batch1_p99_ms']} ms"
     )
@@ -263,6 +263,9 @@ def main(argv: list[str]) -> int:
     prefill, prefill_line = prefill_table(_json_line(run / "prompt_prefill.log"))
     load, load_line = loadtest_table(_load(run / "loadtest.json"))
     kv, kv_line = kv_table(_load(run / "kv_dtype.json"))
+    stt = _load(run / "stt" / "gpu_capacity.json")
+    stt_md_path = run / "stt" / "gpu_capacity.md"
+    stt_md = stt_md_path.read_text() if stt_md_path.is_file() else "no result"
     basis = (run / "serve_basis.txt").read_text().strip() if (run / "serve_basis.txt").is_file() else ""
     machine = (run / "machine.txt").read_text().strip() if (run / "machine.txt").is_file() else ""
     stage_table = "\n".join(
@@ -289,6 +292,8 @@ def main(argv: list[str]) -> int:
                 load,
                 "## 8-bit KV cache (bench/kv_dtype.py)",
                 kv,
+                "## Speech-to-text streams (bench/gpu_capacity.py, Kyutai STT 1B; goal >= 600)",
+                stt_md.strip(),
             ]
         )
         + "\n"
@@ -296,7 +301,8 @@ def main(argv: list[str]) -> int:
     (run / "summary.md").write_text(doc)
     print(f"summary: {run / 'summary.md'}")
     print(stage_table)
-    for line in (kernels_line, capacity_verdict(capacity), prefill_line, load_line, kv_line):
+    stt_line = capacity_verdict(stt, "stt-1b streams", "stt_capacity.log")
+    for line in (kernels_line, capacity_verdict(capacity), prefill_line, load_line, kv_line, stt_line):
         print(line)
     return 0
 

@@ -19,7 +19,7 @@ import torch
 from duplexd.engine.dialogue.engine import Engine, EngineConfig, EngineStats, Session
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError, CheckpointError
-from duplexd.engine.models.config import MIMI_PRESETS, PRESETS, ConfigError
+from duplexd.engine.models.config import MIMI_PRESETS, PRESET_MIMI, PRESETS, ConfigError
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.models.tokenizer import TextTokenizer
@@ -96,7 +96,7 @@ def random_models(
     """The preset's LM in `dtype` (its projections int8 with `weights_dtype` "int8") and its Mimi in fp32, random
     weights drawn on the device (`draw_random_`)."""
     lm = quantize_lm_(draw_random_(build_lm(PRESETS[preset], device=device, dtype=dtype), seed), weights_dtype)
-    mimi = MimiModel(MIMI_PRESETS[RANDOM_WEIGHTS_MIMI[preset]]).init_weights_(seed).to(device)
+    mimi = MimiModel(MIMI_PRESETS[PRESET_MIMI[preset]]).init_weights_(seed).to(device)
     return lm, mimi
 
 
