@@ -133,7 +133,7 @@ class ServerSettings(BaseSettings):
     )
     idle_timeout: float = opt(30.0, "close a session after this many seconds without a client message", _CAP, gt=0)
     asr_idle_timeout: float = opt(
-        120.0, "the same for an /api/asr-streaming stream (moshi-server's 120 s)", _CAP, metavar="SECONDS", gt=0
+        120.0, "the same for a speech-to-text stream (moshi-server's 120 s)", _CAP, metavar="SECONDS", gt=0
     )
     send_timeout: float = opt(10.0, "close a client whose socket blocks a send this many seconds", _CAP, gt=0)
     max_message_bytes: ByteSize = opt(

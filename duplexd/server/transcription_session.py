@@ -32,7 +32,7 @@ from . import transcription_session_events as tev
 from .access import offered_subprotocols
 from .admission import serve
 from .asr.feeder import Feeder
-from .asr.session import asr_parameters, new_feeder, new_stream
+from .asr.session import admitted, asr_parameters, new_stream
 from .asr.turns import Turns
 from .closing import Close
 from .context import Context, ServerContext
@@ -87,7 +87,7 @@ class TranscriptionAdapter(Adapter):
         return f"transcription_session.{what}" if beta else f"session.{what}"
 
     async def greet(self, pump: Pump) -> None:
-        self.feeder = new_feeder(self.ctx, pump.session)
+        self.feeder = admitted(self.ctx, pump)
         await self.send_text(ev.server_event(self.event_name(self.beta, "created"), session=self.session_object()))
 
     async def on_message(self, message: dict) -> np.ndarray | None:

@@ -12,7 +12,6 @@ answer, and drops one that sent nothing for `--asr-idle-timeout` (120 s).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import numpy as np
@@ -31,7 +30,7 @@ from ..context import Context, ServerContext
 from ..pump import Adapter, Pump, binary_frame
 from . import messages
 from .feeder import Feeder
-from .session import asr_parameters, new_feeder, new_stream
+from .session import admitted, asr_parameters, new_stream
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -52,7 +51,7 @@ class AsrAdapter(Adapter):
         self.opus: tuple[Decoder, Encoder] | None = None  # made for the first OggOpus message
 
     def admitted(self, pump: Pump) -> None:
-        self.feeder = new_feeder(self.ctx, pump.session)
+        self.feeder = admitted(self.ctx, pump)
 
     async def on_message(self, message: dict) -> np.ndarray | None:
         data = binary_frame(message, "MessagePack maps in binary frames")
@@ -109,7 +108,6 @@ async def asr_streaming(ws: WebSocket, ctx: Context) -> None:
     adapter = AsrAdapter(ws, ctx)
 
     async def greet(pump: Pump) -> None:
-        pump.limits = dataclasses.replace(pump.limits, idle_timeout=ctx.settings.asr_idle_timeout)
         adapter.admitted(pump)
         await adapter.send_bytes(messages.pack(messages.ready()))
 

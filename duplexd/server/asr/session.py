@@ -3,10 +3,13 @@ transcription): its sampling, its stream's bookkeeping and the feeder of its aud
 
 from __future__ import annotations
 
+import dataclasses
+
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.dialogue.session import Session
 
 from ..context import ServerContext
+from ..pump import Pump
 from .feeder import Feeder
 from .stream import AsrStream
 
@@ -27,6 +30,13 @@ def new_stream(ctx: ServerContext) -> AsrStream:
     runtime = ctx.runtime
     assert runtime.info.asr_delay_tokens is not None and runtime.tokenizer is not None
     return AsrStream(runtime.info.asr_delay_tokens, runtime.tokenizer.decode, runtime.info.frame_size)
+
+
+def admitted(ctx: ServerContext, pump: Pump) -> Feeder:
+    """A stream admitted: moshi-server's idle rule (`--asr-idle-timeout`, long enough for a client that sent a file
+    ahead to wait for its words: up to `BACKLOG_SECONDS` of audio are read ahead), and the feeder of its audio."""
+    pump.limits = dataclasses.replace(pump.limits, idle_timeout=ctx.settings.asr_idle_timeout)
+    return new_feeder(ctx, pump.session)
 
 
 def new_feeder(ctx: ServerContext, session: Session, backlog_seconds: float = BACKLOG_SECONDS) -> Feeder:
