@@ -479,6 +479,8 @@ def test_build_and_modules_info(server):
     modules = httpx2.get(server.http + "/api/modules_info", timeout=5).json()
     assert len(modules) == 1 and modules[0]["type"] == "batched_asr" and modules[0]["path"] == "/api/asr-streaming"
     assert modules[0]["total_slots"] == str(SLOTS) and modules[0]["used_slots"].isdigit()
+    models = httpx2.get(server.http + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).json()
+    assert models["data"][0]["protocols"] == ["/api/asr-streaming", "/v1/realtime?intent=transcription"]
 
 
 def test_conversation_endpoints_say_this_model_only_transcribes(server):

@@ -58,6 +58,13 @@ def metrics(ctx: Context) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def protocols(speech_to_text: bool) -> list[str]:
+    """The WebSocket endpoints the served model speaks."""
+    if speech_to_text:
+        return [ASR_PATH, "/v1/realtime?intent=transcription"]
+    return ["/api/chat", "/v1/realtime"]
+
+
 @router.get("/v1/models")
 def models(request: Request, ctx: Context) -> dict:
     if not key_ok(request, ctx.settings.api_key):
@@ -75,7 +82,7 @@ def models(request: Request, ctx: Context) -> dict:
             "frame_size": info.frame_size,
             "devices": list(info.devices),
             "max_sessions": ctx.runtime.capacity(),
-            "protocols": ["/api/chat", "/v1/realtime"],
+            "protocols": protocols(info.asr_delay_tokens is not None),
             "persona": info.persona,
             "voices": list(info.voices),
         }
