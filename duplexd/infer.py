@@ -150,7 +150,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="sentencepiece text tokenizer")
     p.add_argument("--config", help="reference config.json for the LM")
     p.add_argument("--hf-repo", help="take every file not given from this Hugging Face repo")
-    p.add_argument("--mimi-preset", choices=sorted(MIMI_PRESETS), default="mimi", help="Mimi architecture")
+    p.add_argument(
+        "--mimi-preset",
+        choices=sorted(MIMI_PRESETS),
+        help="Mimi architecture (default: the codebooks the LM reads, at the size of a local Mimi file)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="LM weight dtype")
     p.add_argument(

@@ -27,7 +27,7 @@ from duplexd.engine.models.config import MIMI_PRESETS
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.weights.checkpoint import CONFIG_NAME, checkpoint_names, load_lm, load_mimi, read_stt_settings
 from duplexd.engine.weights.demo import ensure_demo_stt
-from duplexd.engine.weights.model_files import DTYPES
+from duplexd.engine.weights.model_files import DTYPES, model_files
 from duplexd.server.asr.delay import delay_tokens
 from duplexd.server.asr.words import EndWord, Word, WordTimer
 from duplexd.wire import split_frames
@@ -48,19 +48,18 @@ class SttFiles:
 
 
 def stt_files(model: str) -> SttFiles | None:
-    """The files of a Kyutai STT folder (its config.json names them, as Kyutai's repos do), or of the demo STT
-    model; None when `model` is not a speech-to-text model (a Gemma 4 folder)."""
+    """The files of a Kyutai STT folder, or of the demo STT model; None when `model` is not a speech-to-text model
+    (a Gemma 4 folder). A folder is read as `duplexd serve --hf-repo FOLDER` reads it (`model_files`): the files
+    its config.json names, and its Mimi preset."""
     if model == DEMO:
         demo = ensure_demo_stt()
         return SttFiles(demo.lm, demo.mimi, demo.tokenizer, demo.config, demo.mimi_preset)
     folder = Path(model).expanduser()
     config = folder / CONFIG_NAME
-    if not config.is_file():
+    if not config.is_file() or not checkpoint_names(config).stt:
         return None
-    names = checkpoint_names(config)
-    if not names.stt:
-        return None
-    files = SttFiles(folder / names.moshi, folder / names.mimi, folder / names.tokenizer, config, "mimi-32")
+    found = model_files(hf_repo=str(folder))
+    files = SttFiles(Path(found.moshi), Path(found.mimi), Path(found.tokenizer), config, found.mimi_preset)
     for path in (files.lm, files.mimi, files.tokenizer):
         if not path.is_file():
             raise CheckpointError(f"{model}: {path.name} not found in the STT folder", "model")

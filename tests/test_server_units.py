@@ -3,16 +3,19 @@ checks, and the HTTP routes of an app whose engine is still warming up or failed
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import threading
+import time
 from types import SimpleNamespace
+from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from starlette.requests import Request
-from starlette.websockets import WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from duplexd.engine.dialogue.engine import EngineStats
 from duplexd.engine.dialogue.sampling import SamplingParams
@@ -21,6 +24,7 @@ from duplexd.server import realtime_events as ev
 from duplexd.server.access import access_denied, presented_key
 from duplexd.server.app import create_app
 from duplexd.server.closing import Close, CloseCode, close_for_session_end
+from duplexd.server.pump import Adapter, Limits, Pump
 from duplexd.server.query import BadQuery, max_frames_from_query, sampling_from_query
 from duplexd.server.runtime import ModelInfo, Runtime
 from duplexd.server.settings import ServerSettings
@@ -373,3 +377,52 @@ def test_realtime_pcm16_and_audio_delta_template():
     assert len(base64.b64decode(second["delta"])) == 1920
     ids = {first["event_id"], second["event_id"], *(ev.event_id() for _ in range(1000))}
     assert len(ids) == 1002 and all(i.startswith("event_") for i in ids)
+
+
+def test_idle_after_answers_keeps_a_waiting_client():
+    """`Limits.idle_after_answers` (speech to text): a client that sends nothing while it is still being answered
+    (it sent audio ahead) is not idle; once the answers stop it is closed `idle_timeout` later. A conversation's
+    pump counts the client's messages only."""
+    idle, answers, every = 0.25, 12, 0.05
+
+    class Silent(Adapter):
+        name = "test"
+
+        async def on_message(self, message):
+            return None
+
+        async def send_output(self, out):
+            pass
+
+        async def send_error(self, close):
+            pass
+
+    class Answering:
+        """A session that answers `answers` frames already received, one every `every` s, then nothing."""
+
+        id, close_reason = "s", None
+
+        def __init__(self) -> None:
+            self.left = answers
+
+        async def recv(self):
+            if not self.left:
+                await asyncio.Event().wait()
+            self.left -= 1
+            await asyncio.sleep(every)
+            return SimpleNamespace(arrival=time.monotonic())
+
+        def close(self, reason):
+            pass
+
+    async def closed_after(after_answers: bool) -> tuple[float, str]:
+        ws = SimpleNamespace(receive=asyncio.Event().wait, client_state=WebSocketState.DISCONNECTED)
+        limits = Limits(idle, 10.0, float("inf"), 1 << 20, 0.08, idle_after_answers=after_answers)
+        started = time.monotonic()
+        close = await Pump(Silent(ws), Answering(), limits, MagicMock()).run()  # type: ignore[arg-type]
+        return time.monotonic() - started, close.error
+
+    waited, error = asyncio.run(closed_after(True))
+    assert error == "idle_timeout" and answers * every + idle - 0.05 <= waited <= answers * every + idle + 0.5
+    waited, error = asyncio.run(closed_after(False))
+    assert error == "idle_timeout" and idle - 0.05 <= waited < answers * every

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from duplexd.engine.weights.demo import ensure_demo
+from duplexd.engine.weights.demo import ensure_demo, ensure_demo_stt
 
 # name: (command line after `duplexd`, text the error line must hold, extra environment)
 CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
@@ -85,6 +85,11 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
             "demo",
         ],
         "--tokenizer {tmp}/bad.json: not a sentencepiece model",
+        {},
+    ),
+    "Mimi preset short of an STT LM's codebooks": (
+        ["serve", "--hf-repo", "{stt.root}", "--mimi-preset", "demo"],
+        "--mimi-preset demo: Mimi with 8 codebooks of 2048, and the LM reads 32 of 2048 (a speech-to-text LM",
         {},
     ),
     "files half given": (["serve", "--moshi-weight", "{demo.lm}"], "error: --mimi-weight, --tokenizer: missing", {}),
@@ -288,7 +293,7 @@ def results(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, st
     env = {k: v for k, v in env.items() if not k.startswith("DUPLEXD_") or k == "DUPLEXD_CACHE"}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DUPLEXD_CACHE", str(cache))
-        demo = ensure_demo()  # written once here, so no case writes it (or pays for it)
+        demo, stt = ensure_demo(), ensure_demo_stt()  # written once here, so no case writes them (or pays for it)
     _files(tmp)
     cases = dict(CASES)
     gemma = None
@@ -298,7 +303,7 @@ def results(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, st
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        fill = {"tmp": tmp, "demo": demo, "busy": busy.getsockname()[1], "gemma": gemma}
+        fill = {"tmp": tmp, "demo": demo, "stt": stt, "busy": busy.getsockname()[1], "gemma": gemma}
         jobs = {
             name: ([arg.format(**fill) for arg in argv], expected.format(**fill), {**env, **extra})
             for name, (argv, expected, extra) in cases.items()

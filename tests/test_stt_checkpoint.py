@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -19,13 +20,15 @@ from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.weights.checkpoint import (
     load_lm,
     load_mimi,
+    mimi_preset_of,
     read_lm_config,
     read_stt_settings,
     save_lm_weights,
 )
 from duplexd.engine.weights.config_file import SttSettings
 from duplexd.engine.weights.demo import ensure_demo_stt
-from duplexd.engine.weights.model_files import model_files
+from duplexd.engine.weights.model_files import check_mimi_preset, model_files
+from duplexd.transcribe_stt import SttFiles, stt_files
 
 from .ref_models import fused_state_dict, reference_kwargs, reference_lm
 
@@ -169,3 +172,28 @@ def test_a_stt_repo_names_its_files_and_takes_mimi_32(tmp_path, monkeypatch):
     (moshi / "config.json").write_text(json.dumps({"dim": 4096}))
     assert model_files(hf_repo=str(moshi)).mimi_preset == "mimi"
     assert model_files(hf_repo=str(moshi)).tokenizer.endswith("/tokenizer_spm_32k_3.model")
+
+
+def test_the_mimi_preset_follows_a_local_mimi_file_and_must_give_the_lm_its_codebooks(tmp_path):
+    """No preset given: a local folder holding the demo's tiny Mimi reads it as `demo-32` (the file's header says
+    so; Kyutai's full-size file is `mimi-32`); an explicit preset short of the LM's 32 codebooks is refused."""
+    demo = ensure_demo_stt(tmp_path / "demo")
+    folder = _kyutai_stt_folder(tmp_path / "local", demo)
+    shutil.copy(demo.mimi, folder / "mimi-pytorch-e351c8d8@125.safetensors")
+    assert model_files(hf_repo=str(folder)).mimi_preset == "demo-32"
+    shutil.copy(demo.lm, folder / "model.safetensors")
+    shutil.copy(demo.tokenizer, folder / "tokenizer_en_fr_audio_8000.model")
+    files = stt_files(str(folder))  # `duplexd transcribe --model FOLDER` reads the folder as the server does
+    assert files == SttFiles(
+        folder / "model.safetensors",
+        folder / "mimi-pytorch-e351c8d8@125.safetensors",
+        folder / "tokenizer_en_fr_audio_8000.model",
+        folder / "config.json",
+        "demo-32",
+    )
+    assert mimi_preset_of(demo.mimi, ("mimi-32", "demo")) is None  # 32 codebooks of the demo's size: neither
+    assert mimi_preset_of(tmp_path / "none.safetensors", ("demo-32",)) is None
+    cfg = read_lm_config(demo.config)
+    check_mimi_preset("demo-32", cfg)
+    with pytest.raises(CheckpointError, match=r"^demo: Mimi with 8 codebooks of 2048, and the LM reads 32 of 2048 \("):
+        check_mimi_preset("demo", cfg)

@@ -6,7 +6,8 @@ session. The policies (all per session, documented in docs/SERVER.md):
 * faster than real time: the engine's inbox keeps `max_pending_frames`; newer frames are dropped and counted;
 * stops reading: the engine's outbox keeps `max_output_frames` (the oldest is dropped and counted); a single send
   blocked for `send_timeout`, or unanswered keep-alive pings, close the connection;
-* goes silent: no message for `idle_timeout` closes it (1000, "idle timeout");
+* goes silent: no message for `idle_timeout` closes it (1000, "idle timeout"); with `idle_after_answers`, no message
+  and no answer sent;
 * vanishes: the disconnect ends the reader; the session is closed in `finally`, on every path.
 
 Wall-clock session length is capped at `max_session_seconds` (the engine also caps the frames).
@@ -47,6 +48,9 @@ class Limits:
     max_session_seconds: float
     max_message_bytes: int
     late_frame_seconds: float
+    # Speech to text: each answer sent restarts the idle clock too, so a client that sent audio ahead is not idle
+    # while it waits for the words of it, however long stepping them takes; a conversation counts messages only.
+    idle_after_answers: bool = False
 
 
 class Adapter(ABC):
@@ -148,6 +152,7 @@ class Pump:
         # What the watchdog checks: when the client last sent a message, and since when a send has been blocked
         # (None: no send in progress). One timer per session instead of two per frame (wait_for makes a task).
         self._last_message = self.started
+        self._last_answer = -math.inf  # when the last output was sent (`Limits.idle_after_answers`)
         self._sending_since: float | None = None
         self._ended = asyncio.Event()  # set by `end`: the server ends this session (drain timeout)
         self._end_close: Close | None = None
@@ -219,7 +224,7 @@ class Pump:
             self.metrics.latency.observe(delay)
             if delay > limits.late_frame_seconds:
                 self.metrics.late.inc()
-            self._sending_since = now
+            self._sending_since = self._last_answer = now
             try:
                 await self.adapter.send_output(out)
             except Close:  # the adapter ends the session (its output cannot be made)
@@ -229,12 +234,14 @@ class Pump:
             self._sending_since = None
 
     async def _watch(self) -> None:
-        """Idle and send timeouts: ends the session when the client sent nothing for `idle_timeout`, or when one send
-        has been blocked for `send_timeout`. Wakes at the next deadline that could pass, not per frame."""
+        """Idle and send timeouts: ends the session when the client sent nothing for `idle_timeout` (nor was sent an
+        answer, with `idle_after_answers`), or when one send has been blocked for `send_timeout`. Wakes at the next
+        deadline that could pass, not per frame."""
         limits = self.limits
         while True:
             now = time.monotonic()
-            idle_at = self._last_message + limits.idle_timeout
+            active = max(self._last_message, self._last_answer) if limits.idle_after_answers else self._last_message
+            idle_at = active + limits.idle_timeout
             if now >= idle_at:
                 raise Close(CloseCode.NORMAL, "idle_timeout", f"idle timeout: no message for {limits.idle_timeout:g} s")
             sending = self._sending_since

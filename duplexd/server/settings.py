@@ -70,8 +70,8 @@ class ServerSettings(BaseSettings):
     )
     mimi_preset: Literal["mimi", "demo", "mimi-32", "demo-32"] = opt(
         "mimi",
-        "Mimi architecture (the -32 ones: all 32 codebooks, for a speech-to-text LM; mimi-32 is the default for "
-        "a Kyutai STT config)",
+        "Mimi architecture (the -32 ones: all 32 codebooks, for a speech-to-text LM; default: mimi-32 for a "
+        "Kyutai STT config, else mimi, or the demo's size when a local Mimi file is the demo's)",
         _MODEL,
     )
     asr_delay_tokens: int | None = opt(

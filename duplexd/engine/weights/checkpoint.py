@@ -17,7 +17,7 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from ..models.config import MIMI, MOSHI_7B, ConfigError, LMConfig, MimiConfig
+from ..models.config import MIMI, MIMI_PRESETS, MOSHI_7B, ConfigError, LMConfig, MimiConfig
 from ..models.int8_weights import (
     WEIGHT_DTYPES,
     Int8Weight,
@@ -637,6 +637,24 @@ def load_mimi_weights(model: MimiModel, path: Path) -> str:
     return load_mapped(
         _mimi_tensors(model), path, lambda naming: mimi_key_map(model, naming), _normalise_mimi, what="Mimi "
     )
+
+
+def mimi_preset_of(path: Path, presets: Iterable[str]) -> str | None:
+    """The first of `presets` whose Mimi has exactly the keys and shapes of the file at `path` (header only, no
+    tensor read), None when none has or the file is unreadable (loading says why). A file does not say how many
+    codebooks are used, only the architecture: this tells the demo's tiny Mimi from Kyutai's full-size one."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            shapes = {_normalise_mimi(key): tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except (SafetensorError, OSError):
+        return None
+    naming = detect_naming(set(shapes))
+    for name in presets:
+        with torch.device("meta"):
+            model = MimiModel(MIMI_PRESETS[name])
+        if {row.key: row.shape for row in mimi_key_map(model, naming)} == shapes:
+            return name
+    return None
 
 
 def save_mimi_weights(model: MimiModel, path: str | Path, naming: str = "module") -> None:

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from ..models.config import LMConfig
+from ..models.config import MIMI_PRESETS, LMConfig
 from ..models.tokenizer import TextTokenizer
 from .checkpoint import (
     CONFIG_NAME,
@@ -25,6 +25,7 @@ from .checkpoint import (
     checkpoint_names,
     lm_config_for,
     lm_file_name,
+    mimi_preset_of,
     repo_config,
 )
 from .demo import ensure_demo
@@ -58,19 +59,20 @@ def model_files(
 ) -> ModelFiles:
     """Where the weights come from: explicit files, a Hugging Face repo (or a local folder holding one) for those
     not given, or (neither) the demo model. The files not given are those the repo's config.json names. The Mimi
-    preset, when not given: all 32 codebooks (`mimi-32`) for a speech-to-text LM's config, else `mimi`."""
+    preset, when not given: `_mimi_preset`."""
     if hf_repo:
         folder = Path(hf_repo).expanduser()
         local = folder.is_dir()
         base = str(folder) if local else f"hf://{hf_repo}"
         found = repo_config(hf_repo)
         names = checkpoint_names(found)
+        mimi = mimi_weight or f"{base}/{names.mimi}"
         return ModelFiles(
             moshi_weight or f"{base}/{names.moshi}",
-            mimi_weight or f"{base}/{names.mimi}",
+            mimi,
             tokenizer or f"{base}/{names.tokenizer}",
             config or (str(found) if local and found is not None else None),
-            mimi_preset or _mimi_preset(names.stt, config),
+            mimi_preset or _mimi_preset(names.stt, config, mimi),
             hf_repo,
         )
     given = {"moshi_weight": moshi_weight, "mimi_weight": mimi_weight, "tokenizer": tokenizer}
@@ -79,20 +81,38 @@ def model_files(
         if missing:
             flags = ", ".join("--" + name.replace("_", "-") for name in missing)
             raise CheckpointError(f"{flags}: missing; pass them too, or --hf-repo to take them from a repo")
-        preset = mimi_preset or _mimi_preset(False, config)
+        preset = mimi_preset or _mimi_preset(False, config, str(mimi_weight))
         return ModelFiles(moshi_weight, mimi_weight, tokenizer, config, preset)  # type: ignore[arg-type]
     demo = ensure_demo()
     logger.warning("no weights given: using the demo model (random weights; it speaks noise)")
     return ModelFiles(str(demo.lm), str(demo.mimi), str(demo.tokenizer), config or str(demo.config), "demo")
 
 
-def _mimi_preset(stt: bool, config: str | None) -> str:
-    """`mimi-32` for a speech-to-text LM (its repo's config, or a local `config` given), else `mimi`."""
+def _mimi_preset(stt: bool, config: str | None, mimi: str) -> str:
+    """The Mimi preset when none is given: the codebooks the LM reads (all 32 for a speech-to-text LM, by its repo's
+    config or a local `config`, else 8), at full size (`mimi-32`, `mimi`) unless `mimi` is a local file of the
+    demo's tiny Mimi (`demo-32`, `demo`: its header says so), so a demo folder needs no flag either."""
     if not stt and config is not None and Path(config).expanduser().is_file():
         stt = checkpoint_names(Path(config).expanduser()).stt
+    full, tiny = ("mimi-32", "demo-32") if stt else ("mimi", "demo")
+    path = Path(mimi.removeprefix("file://")).expanduser()
+    preset = tiny if path.is_file() and mimi_preset_of(path, (tiny,)) == tiny else full
     if stt:
-        logger.info("a speech-to-text LM: Mimi with all 32 codebooks (mimi-32)")
-    return "mimi-32" if stt else "mimi"
+        logger.info("a speech-to-text LM: Mimi with all 32 codebooks (%s)", preset)
+    return preset
+
+
+def check_mimi_preset(preset: str, cfg: LMConfig) -> None:
+    """The Mimi preset must give the LM all the codebooks it reads (a speech-to-text LM reads 32): refused before
+    any model loads, tagged with its option."""
+    mimi = MIMI_PRESETS[preset]
+    if mimi.num_codebooks < cfg.num_user_codebooks or mimi.card != cfg.card:
+        stt = " (a speech-to-text LM: leave the option out, or give a -32 preset)" if cfg.text_only else ""
+        raise CheckpointError(
+            f"{preset}: Mimi with {mimi.num_codebooks} codebooks of {mimi.card}, and the LM reads "
+            f"{cfg.num_user_codebooks} of {cfg.card}{stt}",
+            "mimi_preset",
+        )
 
 
 def local_file(ref: str, default_name: str, option: str) -> Path:
@@ -157,6 +177,7 @@ def check_model_files(files: ModelFiles) -> LMConfig:
 
     lm_option = option(files.moshi, lm_file_name(files.hf_repo) if files.hf_repo else "", "moshi_weight")
     cfg = check_lm_files(files.moshi, files.config, lm_option)
+    check_mimi_preset(files.mimi_preset, cfg)
     mimi_option = option(files.mimi, MIMI_NAME, "mimi_weight")
     _check_safetensors(local_file(files.mimi, MIMI_NAME, mimi_option), files.mimi, mimi_option)
     check_tokenizer_file(files.tokenizer, cfg, option(files.tokenizer, TOKENIZER_NAME, "tokenizer"))

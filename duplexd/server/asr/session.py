@@ -33,9 +33,10 @@ def new_stream(ctx: ServerContext) -> AsrStream:
 
 
 def admitted(ctx: ServerContext, pump: Pump) -> Feeder:
-    """A stream admitted: moshi-server's idle rule (`--asr-idle-timeout`, long enough for a client that sent a file
-    ahead to wait for its words: up to `BACKLOG_SECONDS` of audio are read ahead), and the feeder of its audio."""
-    pump.limits = dataclasses.replace(pump.limits, idle_timeout=ctx.settings.asr_idle_timeout)
+    """A stream admitted: moshi-server's idle rule (`--asr-idle-timeout`), its clock restarted by each answer too,
+    so a client that sent a file ahead (up to `BACKLOG_SECONDS` of audio are read ahead) waits for its words
+    however slowly they come; and the feeder of its audio."""
+    pump.limits = dataclasses.replace(pump.limits, idle_timeout=ctx.settings.asr_idle_timeout, idle_after_answers=True)
     return new_feeder(ctx, pump.session)
 
 
