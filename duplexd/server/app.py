@@ -67,7 +67,7 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     app.state.context = ServerContext(settings, runtime, metrics, drain, codec)
     app.include_router(routes.router)
     app.include_router(transcriptions.router)
-    if runtime.info.asr_delay_tokens is not None:  # a speech-to-text model: moshi-server's /api/asr-streaming
+    if runtime.info.speech_to_text:  # moshi-server's /api/asr-streaming and transcription sessions
         app.include_router(asr_endpoint.router)
         app.include_router(asr_upload.router)
         app.include_router(stt_only.router)

@@ -36,8 +36,10 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from .closing import Close, CloseCode
+from .codec.errors import AudioError
 from .codec.streams import OggOpusDecoder, OggOpusEncoder
-from .codec.workers import CodecWorker, CodecWorkers, RemoteStream
+from .codec.workers import CodecWorker, CodecWorkerError, CodecWorkers, RemoteStream
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +161,14 @@ class CodecBatches:
         self._pool.shutdown(wait=True)
         if self._workers is not None:
             self._workers.close()
+
+
+def codec_close(e: AudioError) -> Close:
+    """How a codec failure ends a connection: a dead worker is the server's fault (1011 `codec_failed`), audio that
+    does not decode the client's (1007 `invalid_audio`)."""
+    if isinstance(e, CodecWorkerError):
+        return Close(CloseCode.INTERNAL_ERROR, "codec_failed", str(e))
+    return Close(CloseCode.INVALID_PAYLOAD, "invalid_audio", str(e))
 
 
 def _by_worker(items: list) -> list[tuple[Callable, list]]:

@@ -28,7 +28,7 @@ class ServerContext:
     @property
     def limits(self) -> Limits:
         s = self.settings
-        seconds = s.session_seconds(self.runtime.info.asr_delay_tokens is not None)
+        seconds = s.session_seconds(self.runtime.info.speech_to_text)
         length = math.inf if seconds is None else seconds
         return Limits(s.idle_timeout, s.send_timeout, length, s.max_message_bytes, s.late_frame_seconds)
 

@@ -33,7 +33,7 @@ from .build_info import BUILD_INFO
 from .closing import Close, CloseCode
 from .codec.errors import AudioError
 from .codec.workers import CodecWorkerError
-from .codec_batches import CodecBatches
+from .codec_batches import CodecBatches, codec_close
 from .context import Context, ServerContext
 from .persona import KYUTAI, Persona, PersonaRefused, Personas
 from .pump import Adapter, Pump, binary_frame
@@ -92,16 +92,14 @@ class KyutaiAdapter(Adapter):
             return None
         try:
             return await self.codec.decode(self.decoder, msg.payload)
-        except CodecWorkerError as e:  # the server's fault, not the audio's
-            raise Close(CloseCode.INTERNAL_ERROR, "codec_failed", str(e)) from None
         except AudioError as e:
-            raise Close(CloseCode.INVALID_PAYLOAD, "invalid_audio", str(e)) from None
+            raise codec_close(e) from None
 
     async def send_output(self, out: SessionOutput) -> None:
         try:
             ogg = await self.codec.encode(self.encoder, out.pcm)
         except CodecWorkerError as e:
-            raise Close(CloseCode.INTERNAL_ERROR, "codec_failed", str(e)) from None
+            raise codec_close(e) from None
         async with self.send_lock:
             if ogg:
                 await self.ws.send_bytes(protocol.audio(ogg))

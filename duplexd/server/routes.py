@@ -82,7 +82,7 @@ def models(request: Request, ctx: Context) -> dict:
             "frame_size": info.frame_size,
             "devices": list(info.devices),
             "max_sessions": ctx.runtime.capacity(),
-            "protocols": protocols(info.asr_delay_tokens is not None),
+            "protocols": protocols(info.speech_to_text),
             "persona": info.persona,
             "voices": list(info.voices),
         }
@@ -119,7 +119,7 @@ def modules_info(ctx: Context) -> list[dict]:
     nothing for a dialogue model, as moshi-server lists none of its own."""
     runtime = ctx.runtime
     info = runtime.info
-    if info.asr_delay_tokens is None:
+    if not info.speech_to_text:
         return []
     used = sum(s.active_sessions for s in runtime.stats())
     return [

@@ -70,6 +70,11 @@ class ModelInfo:
     asr_delay_tokens: int | None = None
     pause_heads: int = 0
 
+    @property
+    def speech_to_text(self) -> bool:
+        """A speech-to-text model: served by `/api/asr-streaming` and transcription sessions, not conversations."""
+        return self.asr_delay_tokens is not None
+
 
 def resolve_files(settings: ServerSettings) -> ModelFiles:
     """The weight files to load (demo model when none are given), by the same rules as `duplexd infer`."""

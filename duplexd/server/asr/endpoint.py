@@ -24,8 +24,7 @@ from ..access import access_denied
 from ..admission import serve
 from ..closing import Close, CloseCode
 from ..codec.errors import AudioError
-from ..codec.workers import CodecWorkerError
-from ..codec_batches import CodecBatches, Decoder, Encoder
+from ..codec_batches import CodecBatches, Decoder, Encoder, codec_close
 from ..context import Context, ServerContext
 from ..pump import Adapter, Pump, binary_frame
 from . import messages
@@ -73,10 +72,8 @@ class AsrAdapter(Adapter):
             self.opus = self.codec.streams(self.ctx.settings.opus_profile, self.ctx.runtime.info.sample_rate)
         try:
             return await self.codec.decode(self.opus[0], data)
-        except CodecWorkerError as e:  # the server's fault, not the audio's
-            raise Close(CloseCode.INTERNAL_ERROR, "codec_failed", str(e)) from None
         except AudioError as e:
-            raise Close(CloseCode.INVALID_PAYLOAD, "invalid_audio", str(e)) from None
+            raise codec_close(e) from None
 
     def release(self) -> None:
         if self.opus is not None:
