@@ -461,11 +461,11 @@ def read_lm_config(path: str | Path) -> LMConfig:
     return _config_from(_read_config_json(path), path)
 
 
-def read_stt_settings(path: str | Path) -> SttSettings | None:
+def read_stt_settings(path: str | Path, raw: dict[str, Any] | None = None) -> SttSettings | None:
     """A Kyutai STT `config.json`'s serving settings (`SttSettings`), None for another model's config;
-    `CheckpointError` naming the file when it cannot be used."""
+    `CheckpointError` naming the file when it cannot be used. `raw`: its contents, when already read."""
     try:
-        return stt_settings_from_dict(_read_config_json(path))
+        return stt_settings_from_dict(_read_config_json(path) if raw is None else raw)
     except ConfigError as e:
         raise CheckpointError(f"{path}: bad config: {e}") from None
 
@@ -556,7 +556,7 @@ def checkpoint_names(config: Path | None) -> CheckpointNames:
         name("moshi_name", MOSHI_NAME),
         name("mimi_name", MIMI_NAME),
         name("tokenizer_name", TOKENIZER_NAME),
-        read_stt_settings(config) is not None,
+        read_stt_settings(config, raw) is not None,
     )
 
 
