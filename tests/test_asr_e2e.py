@@ -166,10 +166,15 @@ def used_slots(server: Server) -> int:
     return int(httpx2.get(server.http + "/api/modules_info", timeout=5).json()[0]["used_slots"])
 
 
+def admissible(server: Server) -> int:
+    return int(httpx2.get(server.http + "/ready", timeout=5).json()["admissible_sessions"])
+
+
 def wait_idle(server: Server) -> None:
-    """The previous test's streams have all ended (their slots are back)."""
+    """The previous test's streams have all ended and their slots are back: none used, and every one admissible
+    again (a closed session's slot is freed by the engine's loop a moment after it stops counting as used)."""
     deadline = time.monotonic() + 10
-    while used_slots(server):
+    while used_slots(server) or admissible(server) < SLOTS:
         assert time.monotonic() < deadline, "slots still taken"
         time.sleep(0.05)
 
