@@ -240,7 +240,7 @@ def wall_through_batches(frames, uplinks, threads: int, processes: int, groups: 
     streams in `groups` that tick independently, as a server's sessions do (their messages do not all arrive at
     once), each tick's decodes and encodes of a group submitted together and awaited, ticks back to back. Wall
     seconds and this process's CPU seconds (the event loop and couriers; the coding too with codec threads)."""
-    from duplexd.server.codec_batches import CodecBatches
+    from duplexd.server.codec.batches import CodecBatches
 
     codec = CodecBatches(threads, processes, uplink_window=0.0)  # throughput: no waiting for stragglers
     try:

@@ -135,7 +135,7 @@ install() {
   fi
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   timeout "$limit" "$PYTHON" -m pip install -q --no-index --no-build-isolation --no-deps -e . || return 1
-  (cd / && timeout "$limit" "$PYTHON" -c "import duplexd.server.app, duplexd.cli; print('duplexd imports')") \
+  (cd / && timeout "$limit" "$PYTHON" -c "import duplexd.server.app, duplexd.commands.cli; print('duplexd imports')") \
     || return 1
   timeout "$limit" "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
     torch.cuda.get_device_name() if torch.cuda.is_available() else '')"

@@ -130,8 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = int(serve[serve.index("--max-sessions") + 1])
     install(max(rows, 1) * 2, args.step_ms / 1000)  # warm-up may step a whole bucket, up to 2x the slots
     name_thread(EVENT_LOOP_THREAD)
-    from duplexd.cli import main as duplexd_main
-    from duplexd.server import codec_batches
+    from duplexd.commands.cli import main as duplexd_main
+    from duplexd.server.codec import batches as codec_batches
 
     codec_batches.ThreadPoolExecutor = functools.partial(  # type: ignore[misc]
         ThreadPoolExecutor, initializer=name_thread, initargs=(CODEC_THREAD,)

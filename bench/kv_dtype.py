@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from bench.common import add_kv_dtype, cuda_missing, relative_error, sharpened  # noqa: E402
 from bench.gpu_capacity import OK, measure  # noqa: E402
-from duplexd.capacity import PRESET_MIMI, capacity, parse_size  # noqa: E402
+from duplexd.commands.capacity import PRESET_MIMI, capacity, parse_size
 from duplexd.engine.dialogue.engine import Engine, EngineConfig, sessions_that_fit  # noqa: E402
 from duplexd.engine.kv.paged import PagedKVCache, window_pages  # noqa: E402
 from duplexd.engine.models.config import PRESETS  # noqa: E402
@@ -217,7 +217,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from duplexd.server.runtime import random_models
+    from duplexd.server.core.runtime import random_models
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 from bench.common import MID_LM, add_kv_dtype, cuda_missing, relative_error, sharpened  # noqa: E402
 from bench.gpu_capacity import OK, measure  # noqa: E402
-from duplexd.capacity import PRESET_MIMI, capacity, parse_size, weight_bytes  # noqa: E402
+from duplexd.commands.capacity import PRESET_MIMI, capacity, parse_size, weight_bytes
 from duplexd.engine.dialogue.engine import Engine, EngineConfig, sessions_that_fit  # noqa: E402
 from duplexd.engine.kv.paged import window_pages  # noqa: E402
 from duplexd.engine.models.config import PRESETS  # noqa: E402
@@ -300,7 +300,7 @@ def kernel_table(device: str, repeats: int, shapes=SHAPES, rows=ROWS, streamed: 
 
 def step_times(preset: str, kv_dtype: str, batches: list[int], steps: int, device: str, dtype: torch.dtype) -> dict:
     """p50/p99 step (ms) per batch for each weights format, one model and engine at a time (module docs, stage 3)."""
-    from duplexd.server.runtime import random_models
+    from duplexd.server.core.runtime import random_models
 
     out: dict[str, Any] = {"kv_dtype": kv_dtype}
     frames = steps + 8

@@ -14,7 +14,7 @@ import runpy
 import sys
 import traceback
 
-import duplexd.cli  # noqa: F401  (the warm import every child shares)
+import duplexd.commands.cli  # noqa: F401  (the warm import every child shares)
 
 
 def _child(argv: list[str], env: dict[str, str], out: str) -> None:

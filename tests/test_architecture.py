@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "duplexd"
-FOLDERS = ("clients", "engine", "kernels", "server", "top")  # top: the modules directly in duplexd/
+FOLDERS = ("clients", "commands", "engine", "kernels", "server", "top")  # top: the modules directly in duplexd/
 
 
 def _folder(path: Path) -> str:
@@ -89,6 +89,7 @@ ENGINE_PARTS: dict[str, set[str]] = {
     "models": {"shared", "kernels", "kv"},
     "weights": {"shared", "models"},
     "persona": {"shared", "models"},
+    "stt": {"shared", "wire"},
     "dialogue": {"shared", "kernels", "kv", "models", "persona"},
     "transcription": {"shared", "models", "weights", "wire"},
 }
@@ -145,7 +146,83 @@ def test_the_engine_imports_nothing_of_the_server_or_clients():
         f"{n} imports {d}"
         for n, deps in sorted(graph.items())
         for d in sorted(deps)
-        if d.startswith(("duplexd.server", "duplexd.clients", "duplexd.cli", "duplexd.infer", "duplexd.transcribe"))
+        if d.startswith(("duplexd.server", "duplexd.clients", "duplexd.commands"))
+    ]
+    assert not offences, "\n".join(offences)
+
+
+# The server's subpackages: the plumbing every protocol stands on, and the protocols (one folder each, named for whose
+# API it speaks). Plumbing imports no protocol and protocols do not import each other; the modules directly in
+# server/ (the app factory, `duplexd serve`'s command line, the operator's HTTP routes) assemble them and may import
+# any. Within the plumbing, imports may cross folders but form no cycle.
+SERVER_PLUMBING = {"core", "connection", "codec", "stt"}
+SERVER_PROTOCOLS = {"kyutai", "realtime", "moshi_server", "openai_audio"}
+
+
+def _server_part(module: str) -> str:
+    """`duplexd.server.realtime.events` → realtime; `duplexd.server.app` → top."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 else "top"
+
+
+def _server_offences(graph: dict[str, set[str]]) -> list[str]:
+    offences = []
+    for name, deps in sorted(graph.items()):
+        part = _server_part(name)
+        for dep in sorted(d for d in deps if d.startswith("duplexd.server.")):
+            other = _server_part(dep)
+            if other == part or part == "top":
+                continue
+            if other == "top":
+                offences.append(f"{name} ({part}) imports {dep}, which assembles the server")
+            elif other in SERVER_PROTOCOLS:
+                offences.append(f"{name} ({part}) imports {dep} (protocol {other})")
+    return offences
+
+
+def test_server_rule_sees_a_protocol_import():
+    graph = {
+        "duplexd.server.stt.stream": {"duplexd.server.moshi_server.asr_messages", "duplexd.server.core.context"},
+        "duplexd.server.realtime.conversation": {"duplexd.server.kyutai.messages", "duplexd.server.realtime.events"},
+        "duplexd.server.app": {"duplexd.server.kyutai.chat"},
+    }
+    assert _server_offences(graph) == [
+        "duplexd.server.realtime.conversation (realtime) imports duplexd.server.kyutai.messages (protocol kyutai)",
+        "duplexd.server.stt.stream (stt) imports duplexd.server.moshi_server.asr_messages (protocol moshi_server)",
+    ]
+
+
+def test_every_server_folder_is_plumbing_or_a_protocol():
+    folders = {p.name for p in (PACKAGE / "server").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == SERVER_PLUMBING | SERVER_PROTOCOLS
+    assert not SERVER_PLUMBING & SERVER_PROTOCOLS
+
+
+def test_the_server_parts_import_one_way():
+    graph = _duplexd_imports("duplexd.server")
+    assert "duplexd.server.connection.pump" in graph["duplexd.server.kyutai.chat"]  # the graph is really built
+    offences = _server_offences(graph)
+    assert not offences, "\n".join(offences)
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_only_the_serve_command_imports_the_server():
+    """The commands run models in process (`infer`, `transcribe`, `capacity`) without FastAPI; the command line's
+    `serve` (in `commands.cli`) is the one way in to the server, and nothing but `__main__` imports a command."""
+    graph = {n: d for n, d in _duplexd_imports("duplexd").items() if n.startswith("duplexd.commands")}
+    assert "duplexd.server.cli" in graph["duplexd.commands.cli"]  # the graph is really built
+    offences = [
+        f"{n} imports {d}"
+        for n, deps in sorted(graph.items())
+        for d in sorted(deps)
+        if d.startswith("duplexd.server") and n != "duplexd.commands.cli"
+    ]
+    outside = _duplexd_imports("duplexd")
+    offences += [
+        f"{n} imports {d}"
+        for n, deps in sorted(outside.items())
+        for d in sorted(deps)
+        if d.startswith("duplexd.commands") and not n.startswith("duplexd.commands") and n != "duplexd.__main__"
     ]
     assert not offences, "\n".join(offences)
 

@@ -13,8 +13,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from duplexd.server.asr import messages
-from duplexd.server.asr.words import EndWord, Word
+from duplexd.engine.stt.words import EndWord, Word
+from duplexd.server.moshi_server import asr_messages as messages
 
 
 def fixstr(text: str) -> bytes:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from duplexd.engine.transcription.service import SpeechBegan, SpeechEnded, TranscriptDelta, TranscriptDone
-from duplexd.server.asr.stream import AsrStream
-from duplexd.server.asr.turns import TurnDetection, Turns
-from duplexd.server.transcription_session_events import TurnDetectionSettings
+from duplexd.server.realtime.conversation.transcription_events import TurnDetectionSettings
+from duplexd.server.stt.stream import AsrStream
+from duplexd.server.stt.turns import TurnDetection, Turns
 
 DELAY, FRAME = 2, 1920
 W, P = 0, 3  # word start, padding

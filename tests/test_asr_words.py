@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from duplexd.server.asr.stream import AsrStream
-from duplexd.server.asr.words import EndWord, Word, WordTimer
+from duplexd.engine.stt.words import EndWord, Word, WordTimer
+from duplexd.server.moshi_server.asr_messages import step_messages
+from duplexd.server.stt.stream import AsrStream
 
 
 def decode(tokens) -> str:
@@ -167,7 +168,7 @@ def test_stream_messages_in_order() -> None:
     tokens = [3, 3, 0, 11, 3, 0, 3]
     timer = WordTimer(delay, decode)
     for frame, token in enumerate(tokens):
-        out = stream.answer(frame, token, (0.1, 0.2, 0.3, 0.4))
+        out = step_messages(stream.step(frame, token, (0.1, 0.2, 0.3, 0.4)))
         buffered = max(0, 4 * size + 1 - (frame + 1) * size)
         assert out[0] == {"type": "Step", "step_idx": frame, "prs": [0.1, 0.2, 0.3, 0.4], "buffered_pcm": buffered}
         words = [as_message(e) for e in timer.step(token)]
@@ -184,5 +185,5 @@ def as_message(event) -> dict:
 
 def test_stream_without_heads_sends_no_step() -> None:
     stream = AsrStream(0, decode, 4)
-    assert stream.answer(0, 3, None) == []
-    assert stream.answer(1, 0, None) == []
+    assert step_messages(stream.step(0, 3, None)) == []
+    assert step_messages(stream.step(1, 0, None)) == []

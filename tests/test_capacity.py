@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from duplexd.capacity import CUDA_CONTEXT, capacity
-from duplexd.cli import main
+from duplexd.commands.capacity import CUDA_CONTEXT, capacity
+from duplexd.commands.cli import main
 from duplexd.engine.devices import check_kv_dtype
 from duplexd.engine.dialogue.engine import CUDA_HEADROOM, Engine, EngineConfig
 from duplexd.engine.errors import DeviceError
@@ -20,7 +20,7 @@ from duplexd.engine.models.config import DEMO, DEMO_MIMI, MOSHI_7B, ConfigError,
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
 from duplexd.engine.weights.checkpoint import quantize_lm_
 from duplexd.engine.weights.demo import random_lm
-from duplexd.server.settings import ServerSettings
+from duplexd.server.core.settings import ServerSettings
 
 GiB = 2**30
 

@@ -15,8 +15,8 @@ import httpx2
 import pytest
 import soundfile as sf
 
-from duplexd.cli import main
 from duplexd.clients.audio import SAMPLE_RATE, speech_like, write_wav
+from duplexd.commands.cli import main
 
 from .live_server import running_server
 

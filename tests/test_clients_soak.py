@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from duplexd.cli import main
 from duplexd.clients.connection import ConnectOptions
 from duplexd.clients.loadtest import LoadTestConfig
 from duplexd.clients.report import Thresholds
@@ -22,6 +21,7 @@ from duplexd.clients.soak import (
 )
 from duplexd.clients.soak_cli import length_range
 from duplexd.clients.stats import SessionTrace
+from duplexd.commands.cli import main
 
 from .live_server import running_server
 

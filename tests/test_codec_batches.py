@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from duplexd.clients.audio import speech_like
+from duplexd.server.codec.batches import UPLINK_WINDOW_S, CodecBatches
 from duplexd.server.codec.errors import AudioError
 from duplexd.server.codec.streams import OggOpusDecoder, OggOpusEncoder
 from duplexd.server.codec.workers import CodecWorkerError
-from duplexd.server.codec_batches import UPLINK_WINDOW_S, CodecBatches
 from duplexd.wire import FRAME_SIZE, split_frames
 
 SESSIONS, FRAMES = 12, 6

@@ -8,7 +8,7 @@ import torch
 from moshi.models.lm import LMModel as RefLMModel
 from safetensors.torch import load_file
 
-from duplexd.cli import main
+from duplexd.commands.cli import main
 from duplexd.engine.models.config import DEMO, DEMO_MIMI
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.weights.checkpoint import load_lm, load_mimi

@@ -1,4 +1,4 @@
-"""The front door (`server/front_door.py`): the header timeout and the connection caps.
+"""The front door (`server/core/front_door.py`): the header timeout and the connection caps.
 
 Unit tests of the bookkeeping, then a real `duplexd serve` (demo model) with a 2 s header timeout and 64
 connections per address, flooded while a paced Kyutai session streams: half-open requests (half a request line,
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from duplexd.server import front_door
-from duplexd.server.front_door import FrontDoor
+from duplexd.server.core import front_door
+from duplexd.server.core.front_door import FrontDoor
 
 from .live_server import running_server
 from .test_server_e2e import Server, healthy_kyutai, kyutai_exchange, kyutai_greeting, kyutai_open, run

@@ -15,7 +15,7 @@ import torch
 
 from duplexd.engine.dialogue.engine import Engine, EngineConfig
 from duplexd.engine.dialogue.pipeline import Pipeline
-from duplexd.server.runtime import random_models
+from duplexd.server.core.runtime import random_models
 
 _PATH = Path(__file__).resolve().parents[1] / "bench" / "gpu_capacity.py"
 _spec = importlib.util.spec_from_file_location("gpu_capacity", _PATH)

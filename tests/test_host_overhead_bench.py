@@ -41,31 +41,31 @@ def test_cpu_delta_keeps_groups_adding_up_to_the_total():
 def test_classify_takes_the_innermost_matching_frame():
     root = ["<module> (host_overhead_server.py:121)", "Runner.run (asyncio/runners.py:118)"]
     encode = root + [
-        "Pump._write (server/pump.py:150)",
-        "KyutaiAdapter.send_output (server/kyutai.py:55)",
-        "CodecBatches.encode (server/codec_batches.py:95)",
+        "Pump._write (server/connection/pump.py:150)",
+        "KyutaiAdapter.send_output (server/kyutai/chat.py:55)",
+        "CodecBatches.encode (server/codec/batches.py:95)",
     ]
     assert ho.classify(encode, "event-loop") == "codec"
     send = root + [
-        "KyutaiAdapter.send_output (server/kyutai.py:58)",
+        "KyutaiAdapter.send_output (server/kyutai/chat.py:58)",
         "WebSocket.send (starlette/websockets.py:90)",
         "write_frame (websockets/legacy/protocol.py:1)",
     ]
     assert ho.classify(send, "event-loop") == "framing"
     pcm16 = root + [
-        "AudioDeltas.__call__ (server/realtime_events.py:190)",
-        "encode_audio (server/realtime_events.py:97)",
-        "pcm16_bytes (server/realtime_events.py:90)",
+        "AudioDeltas.__call__ (server/realtime/events.py:190)",
+        "encode_audio (server/realtime/events.py:97)",
+        "pcm16_bytes (server/realtime/events.py:90)",
     ]
     assert ho.classify(pcm16, "event-loop") == "codec"
     b64 = pcm16[:-1]  # base64 of the audio is framing: only the pcm16 conversion is the codec
     assert ho.classify(b64, "event-loop") == "framing"
-    shared = root + ["AudioDeltas.__call__ (server/realtime_events.py:190)", "pcm16_base64 (duplexd/wire.py:100)"]
+    shared = root + ["AudioDeltas.__call__ (server/realtime/events.py:190)", "pcm16_base64 (duplexd/wire.py:100)"]
     assert ho.classify(shared, "event-loop") == "framing"  # the same split in the shared wire-format module
     assert ho.classify(shared + ["pcm16 (duplexd/wire.py:82)"], "event-loop") == "codec"
-    push = root + ["Pump.push (server/pump.py:125)", "Session.push (engine/dialogue/session.py:80)"]
+    push = root + ["Pump.push (server/connection/pump.py:125)", "Session.push (engine/dialogue/session.py:80)"]
     assert ho.classify(push, "event-loop") == "engine"
-    assert ho.classify(root + ["Pump._write (server/pump.py:140)"], "event-loop") == "server"
+    assert ho.classify(root + ["Pump._write (server/connection/pump.py:140)"], "event-loop") == "server"
     assert ho.classify(root + ["Histogram.observe (prometheus_client/metrics.py:600)"], "event-loop") == "metrics"
     assert ho.classify(root, "event-loop") == "asyncio"
     assert ho.classify(["mystery (libfoo.so)"], "event-loop") == "other"
@@ -75,12 +75,12 @@ def test_classify_takes_the_innermost_matching_frame():
 def test_parse_raw_profile_and_attribution():
     raw = "\n".join(
         [
-            "thread (100): MainThread;main (x.py:1);CodecBatches.encode (server/codec_batches.py:95) 30",
-            "thread (105): duplexd-codec_0;_run (server/codec_batches.py:40);encode (server/codec/streams.py:1) 7",
+            "thread (100): MainThread;main (x.py:1);CodecBatches.encode (server/codec/batches.py:95) 30",
+            "thread (105): duplexd-codec_0;_run (server/codec/batches.py:40);encode (server/codec/streams.py:1) 7",
             "thread (100): MainThread;main (x.py:1);write_frame (websockets/legacy/protocol.py:1) 10",
             "thread (0x65): duplexd-engine;Engine._step (engine/dialogue/scheduler.py:340) 20",
             "thread (102): other;run (threading.py:1) 5",
-            "thread (103): MainThread;main (x.py:1);Pump.push (server/pump.py:1) 0",
+            "thread (103): MainThread;main (x.py:1);Pump.push (server/connection/pump.py:1) 0",
             "thread (104): duplexd-engine-cpu;Engine._step (engine/dialogue/scheduler.py:340) 0",
             "garbage line",
         ]

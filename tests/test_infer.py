@@ -12,11 +12,11 @@ import torch
 from moshi.models.lm import LMGen as RefLMGen
 from safetensors.torch import save_file
 
-from duplexd.cli import main
+from duplexd.commands.cli import main
+from duplexd.commands.infer import read_audio
 from duplexd.engine.models.config import LMConfig
 from duplexd.engine.models.tokenizer import TextTokenizer, train_tokenizer
 from duplexd.engine.weights.checkpoint import read_lm_config
-from duplexd.infer import read_audio
 
 from .ref_models import fused_state_dict, quantized_reference, reference_lm, reference_mimi
 

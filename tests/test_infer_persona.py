@@ -16,11 +16,11 @@ import soundfile as sf
 import torch
 from safetensors.torch import save_file
 
-from duplexd.cli import main
+from duplexd.commands.cli import main
+from duplexd.commands.infer import read_audio
 from duplexd.engine.models.tokenizer import TextTokenizer, train_tokenizer
 from duplexd.engine.persona.voices import load_audio_voice
 from duplexd.engine.weights.checkpoint import load_lm, load_mimi
-from duplexd.infer import read_audio
 
 from .personaplex_files import PP_SMALL, write_personaplex
 from .personaplex_ref import Oracle, ReferenceSession, preset_from_codes

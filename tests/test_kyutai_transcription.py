@@ -31,14 +31,14 @@ from websockets.exceptions import ConnectionClosed
 
 transformers = pytest.importorskip("transformers")
 
-from duplexd.cli import main  # noqa: E402
 from duplexd.clients.audio import read_audio, write_wav  # noqa: E402
 from duplexd.clients.kyutai import encode_stream  # noqa: E402
+from duplexd.commands.cli import main  # noqa: E402
 from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT  # noqa: E402
 from duplexd.engine.transcription.vad import load_silero  # noqa: E402
 from duplexd.engine.weights.demo import ensure_demo  # noqa: E402
 from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
-from duplexd.server.query import BadQuery, transcription_from_query  # noqa: E402
+from duplexd.server.connection.query import BadQuery, transcription_from_query  # noqa: E402
 from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, USER_EVENTS, Kind, split_frames  # noqa: E402
 
 from .gemma4_ref import generate, load_reference  # noqa: E402

@@ -35,10 +35,10 @@ import sphn
 import torch
 from websockets.asyncio.client import connect
 
-from duplexd.cli import main
 from duplexd.clients.audio import write_wav
 from duplexd.clients.chat import chat
 from duplexd.clients.connection import ConnectOptions, Refused, Sampling, open_connection
+from duplexd.commands.cli import main
 from duplexd.engine.dialogue.pipeline import Pipeline
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.models.config import MIMI_PRESETS
@@ -47,7 +47,7 @@ from duplexd.engine.persona.prompt import Voice, role_prompt
 from duplexd.engine.persona.voices import VoiceLibrary, load_preset
 from duplexd.engine.weights.checkpoint import load_lm, load_mimi
 from duplexd.engine.weights.demo import ensure_demo
-from duplexd.server.persona import DEFAULT_TEXT, KYUTAI, REALTIME, PersonaRefused, Personas
+from duplexd.server.core.persona import DEFAULT_TEXT, KYUTAI, REALTIME, PersonaRefused, Personas
 from duplexd.wire import pcm16, pcm_from_pcm16, split_frames
 
 from .browser import CHROMIUM, launch_args

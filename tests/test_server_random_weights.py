@@ -15,8 +15,8 @@ from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.weights.demo import ensure_demo
 from duplexd.engine.weights.model_files import check_tokenizer
 from duplexd.server.cli import settings_from_args
-from duplexd.server.runtime import RandomTextTokenizer
-from duplexd.server.settings import SettingsError
+from duplexd.server.core.runtime import RandomTextTokenizer
+from duplexd.server.core.settings import SettingsError
 
 from .live_server import running_server
 

@@ -19,15 +19,15 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from duplexd.engine.dialogue.engine import EngineStats
 from duplexd.engine.dialogue.sampling import SamplingParams
-from duplexd.server import protocol
-from duplexd.server import realtime_events as ev
-from duplexd.server.access import access_denied, presented_key
 from duplexd.server.app import create_app
-from duplexd.server.closing import Close, CloseCode, close_for_session_end
-from duplexd.server.pump import Adapter, Limits, Pump
-from duplexd.server.query import BadQuery, max_frames_from_query, sampling_from_query
-from duplexd.server.runtime import ModelInfo, Runtime
-from duplexd.server.settings import ServerSettings
+from duplexd.server.connection.access import access_denied, presented_key
+from duplexd.server.connection.closing import Close, CloseCode, close_for_session_end
+from duplexd.server.connection.pump import Adapter, Limits, Pump
+from duplexd.server.connection.query import BadQuery, max_frames_from_query, sampling_from_query
+from duplexd.server.core.runtime import ModelInfo, Runtime
+from duplexd.server.core.settings import ServerSettings
+from duplexd.server.kyutai.chat import messages as protocol
+from duplexd.server.realtime.conversation import events as ev
 
 
 def test_protocol_framing():

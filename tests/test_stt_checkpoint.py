@@ -13,6 +13,7 @@ from moshi.models import loaders
 from moshi.models.lm import LMModel as RefLMModel
 from safetensors.torch import load_file, save_file
 
+from duplexd.commands.transcribe_stt import SttFiles, stt_files
 from duplexd.engine.errors import CheckpointError
 from duplexd.engine.models.config import DEMO_STT, MIMI_PRESETS, STT_1B, STT_2_6B, LMConfig
 from duplexd.engine.models.lm import LMModel
@@ -28,7 +29,6 @@ from duplexd.engine.weights.checkpoint import (
 from duplexd.engine.weights.config_file import SttSettings
 from duplexd.engine.weights.demo import ensure_demo_stt
 from duplexd.engine.weights.model_files import check_mimi_preset, model_files
-from duplexd.transcribe_stt import SttFiles, stt_files
 
 from .ref_models import fused_state_dict, reference_kwargs, reference_lm
 

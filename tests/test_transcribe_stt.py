@@ -13,9 +13,9 @@ import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 
-from duplexd import transcribe_stt
-from duplexd.cli import main
 from duplexd.clients.audio import speech_like
+from duplexd.commands import transcribe_stt
+from duplexd.commands.cli import main
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.weights.demo import ensure_demo_stt
 

@@ -13,8 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from duplexd import cli  # noqa: E402
 from duplexd.clients.audio import speech_like, write_wav  # noqa: E402
+from duplexd.commands import cli  # noqa: E402
 from duplexd.engine.transcription.transcriber import STEP_SAMPLES, Transcriber, num_audio_tokens  # noqa: E402
 
 from .gemma4_ref import generate, hf_inputs  # noqa: E402

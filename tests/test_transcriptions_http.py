@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT  # noqa: E402
 from duplexd.engine.transcription.vad import VAD_RATE, VadConfig, load_silero, segments  # noqa: E402
 from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
-from duplexd.server.audio_upload import UploadError, decode  # noqa: E402
+from duplexd.server.codec.upload import UploadError, decode  # noqa: E402
 
 from .gemma4_ref import generate, load_reference  # noqa: E402
 from .live_server import running_server  # noqa: E402
@@ -376,7 +376,7 @@ def test_upload_formats_decode_to_16k_mono(fmt, subtype, exact):
 
 def test_the_cli_prints_what_the_server_answers(server, speech, cache, capsys):
     """`duplexd transcribe --format verbose_json` takes the same path: the same segments, token for token."""
-    from duplexd import cli
+    from duplexd.commands import cli
 
     path, _ = speech
     argv = ["transcribe", str(path), "--model", str(ensure_gemma4_demo(cache)), "--max-new-tokens", str(MAX_NEW)]

@@ -10,18 +10,20 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from . import kyutai, realtime, routes, stt_only, transcription_session, transcriptions
-from .asr import endpoint as asr_endpoint
-from .asr import upload as asr_upload
+from . import routes
+from .codec.batches import CodecBatches
 from .codec.streams import backend
-from .codec_batches import CodecBatches
-from .context import ServerContext
-from .drain import Drain
-from .metrics import Metrics
-from .runtime import Runtime
-from .settings import ServerSettings
-from .static import WebClient, static_dir
-from .version import VERSION
+from .core.context import ServerContext
+from .core.drain import Drain
+from .core.metrics import Metrics
+from .core.runtime import Runtime
+from .core.settings import ServerSettings
+from .core.static import WebClient, static_dir
+from .core.version import VERSION
+from .kyutai import chat, stt_refusal
+from .moshi_server import asr, asr_upload
+from .openai_audio import transcriptions
+from .realtime import conversation, transcription
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +70,13 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(transcriptions.router)
     if runtime.info.speech_to_text:  # moshi-server's /api/asr-streaming and transcription sessions
-        app.include_router(asr_endpoint.router)
+        app.include_router(asr.router)
         app.include_router(asr_upload.router)
-        app.include_router(stt_only.router)
-        app.include_router(transcription_session.router)
+        app.include_router(stt_refusal.router)
+        app.include_router(transcription.router)
     else:
-        app.include_router(kyutai.router)
-        app.include_router(realtime.router)
+        app.include_router(chat.router)
+        app.include_router(conversation.router)
     web = static_dir(settings.static)
     if web is not None:
         app.mount("/", WebClient(web), name="web")

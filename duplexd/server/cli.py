@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ByteSize
 from pydantic.fields import FieldInfo
 
-from .settings import ServerSettings, env_name, option_name
+from .core.settings import ServerSettings, env_name, option_name
 
 logger = logging.getLogger("duplexd.server")
 
@@ -107,10 +107,10 @@ def run(args: argparse.Namespace) -> int:
     from duplexd.engine.errors import InputRefused
 
     from .app import create_app
-    from .drain import DrainingServer
-    from .front_door import FrontDoor
-    from .preflight import preflight, refused
-    from .runtime import load_runtime
+    from .core.drain import DrainingServer
+    from .core.front_door import FrontDoor
+    from .core.preflight import preflight, refused
+    from .core.runtime import load_runtime
 
     settings = settings_from_args(args)
     logging.getLogger().setLevel(settings.log_level.upper())

@@ -11,11 +11,11 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .access import key_ok
-from .asr.endpoint import PATH as ASR_PATH
-from .build_info import BUILD_INFO
-from .context import Context
-from .version import VERSION
+from .connection.access import key_ok
+from .core.build_info import BUILD_INFO
+from .core.context import Context
+from .core.version import VERSION
+from .moshi_server.asr import PATH as ASR_PATH
 
 router = APIRouter()
 

@@ -24,12 +24,13 @@ from fastapi.responses import JSONResponse, Response
 
 from duplexd.engine.dialogue.session import Session
 from duplexd.engine.errors import CapacityError
+from duplexd.server.codec.upload import MAX_RATE, MIN_RATE, UploadError, sniff
+from duplexd.server.connection.access import key_ok
+from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.stt.session import GREEDY, new_feeder, new_stream
 
-from ..access import key_ok
-from ..audio_upload import MAX_RATE, MIN_RATE, UploadError, sniff
-from ..context import Context, ServerContext
-from .endpoint import PATH
-from .session import GREEDY, new_feeder, new_stream
+from . import asr_messages as messages
+from .asr import PATH
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -115,7 +116,7 @@ async def transcribe(ctx: ServerContext, session: Session, pcm: np.ndarray) -> l
             why = f"the session ended before the end of the file ({session.close_reason})"
             raise Refused(503, "session_ended", why)
         feeder.answer(out.frame + 1)
-        for message in stream.answer(out.frame, out.text_token, out.pause):
+        for message in messages.step_messages(stream.step(out.frame, out.text_token, out.pause)):
             if message["type"] == "Marker":
                 return words
             if message["type"] in ("Word", "EndWord"):

@@ -33,17 +33,17 @@ from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.transcription.service import TranscriptEvent
+from duplexd.server.connection.access import offered_subprotocols
+from duplexd.server.connection.admission import serve
+from duplexd.server.connection.closing import Close, CloseCode
+from duplexd.server.connection.pump import Adapter, Pump, text_frame
+from duplexd.server.connection.query import BadQuery, sampling_from_query
+from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.core.persona import KYUTAI, Names, Persona, PersonaRefused
 from duplexd.wire import SAMPLE_RATE
 
-from . import realtime_events as ev
-from .access import offered_subprotocols
-from .admission import serve
-from .closing import Close, CloseCode
-from .context import Context, ServerContext
-from .persona import KYUTAI, Names, Persona, PersonaRefused
-from .pump import Adapter, Pump, text_frame
-from .query import BadQuery, sampling_from_query
-from .realtime_items import UserItems
+from . import events as ev
+from .items import UserItems
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

@@ -10,7 +10,6 @@ import typing
 
 import torch
 
-from duplexd import capacity, infer, transcribe
 from duplexd.clients import chat
 from duplexd.clients import loadtest_cli as loadtest
 from duplexd.engine.devices import check_device
@@ -23,7 +22,9 @@ from duplexd.engine.weights.checkpoint import load_lm
 from duplexd.engine.weights.demo import ensure_demo
 from duplexd.engine.weights.model_files import check_lm_files, check_tokenizer_file
 from duplexd.server import cli as serve
-from duplexd.server.settings import SettingsError
+from duplexd.server.core.settings import SettingsError
+
+from . import capacity, infer, transcribe
 
 logger = logging.getLogger("duplexd")
 

@@ -20,7 +20,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .words import EndWord, Word, WordEvent
+from duplexd.engine.stt.words import EndWord, Word, WordEvent
+from duplexd.server.stt.stream import AsrStep
 
 I64 = (-(2**63), 2**63 - 1)  # the range of moshi-server's marker ids
 CLIENT_TYPES = ("Audio", "OggOpus", "Marker")
@@ -136,6 +137,17 @@ def word_event(event: WordEvent) -> dict:
     if isinstance(event, EndWord):
         return {"type": "EndWord", "stop_time": event.stop_time}
     raise TypeError(f"not a word event: {event!r}")
+
+
+def step_messages(stepped: AsrStep) -> list[dict]:
+    """moshi-server's messages for one step of a stream, in its order: `Step` (a model with pause heads only), the
+    step's word events, then the markers now due."""
+    out: list[dict] = []
+    if stepped.pause is not None:
+        out.append(step(stepped.index, stepped.pause, stepped.buffered))
+    out.extend(word_event(event) for event in stepped.words)
+    out.extend(marker(marker_id) for marker_id in stepped.markers)
+    return out
 
 
 def pack(message: dict) -> bytes:

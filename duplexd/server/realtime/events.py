@@ -34,8 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from duplexd import wire
 from duplexd.engine.dialogue.sampling import MAX_REPETITION_CONTEXT, SamplingParams
 from duplexd.engine.transcription.transcriber import instruction
-
-from .closing import Close, CloseCode
+from duplexd.server.connection.closing import Close, CloseCode
 
 SUBPROTOCOL = "realtime"
 SAMPLE_RATE = wire.SAMPLE_RATE

@@ -25,6 +25,7 @@ from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.persona.prompt import PersonaPrompt
 from duplexd.engine.persona.voices import VoiceLibrary
+from duplexd.engine.stt.delay import delay_tokens
 from duplexd.engine.transcription.service import TranscriptionConfig, TranscriptionService
 from duplexd.engine.transcription.transcriber import Transcriber, model_folder
 from duplexd.engine.weights.checkpoint import (
@@ -40,7 +41,6 @@ from duplexd.engine.weights.demo import draw_random_, ensure_demo
 from duplexd.engine.weights.hub import resolve_file
 from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
 
-from .asr.delay import delay_tokens
 from .persona import PersonaRefused, Personas
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
 

@@ -26,18 +26,23 @@ from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.engine.errors import CapacityError
 from duplexd.engine.persona.prompt import PersonaPrompt
 from duplexd.engine.transcription.service import TranscriptEvent
+from duplexd.server.codec.batches import CodecBatches, codec_close
+from duplexd.server.codec.errors import AudioError
+from duplexd.server.codec.workers import CodecWorkerError
+from duplexd.server.connection.admission import serve
+from duplexd.server.connection.closing import Close, CloseCode
+from duplexd.server.connection.pump import Adapter, Pump, binary_frame
+from duplexd.server.connection.query import (
+    BadQuery,
+    max_frames_from_query,
+    sampling_from_query,
+    transcription_from_query,
+)
+from duplexd.server.core.build_info import BUILD_INFO
+from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.core.persona import KYUTAI, Persona, PersonaRefused, Personas
 
-from . import protocol
-from .admission import serve
-from .build_info import BUILD_INFO
-from .closing import Close, CloseCode
-from .codec.errors import AudioError
-from .codec.workers import CodecWorkerError
-from .codec_batches import CodecBatches, codec_close
-from .context import Context, ServerContext
-from .persona import KYUTAI, Persona, PersonaRefused, Personas
-from .pump import Adapter, Pump, binary_frame
-from .query import BadQuery, max_frames_from_query, sampling_from_query, transcription_from_query
+from . import messages as protocol
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

@@ -19,8 +19,8 @@ from types import FrameType
 
 import uvicorn
 
-from .closing import Close, CloseCode
-from .pump import Pump
+from duplexd.server.connection.closing import Close, CloseCode
+from duplexd.server.connection.pump import Pump
 
 logger = logging.getLogger(__name__)
 

@@ -19,17 +19,17 @@ from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 
 from duplexd.engine.dialogue.session import SessionOutput
+from duplexd.server.codec.batches import CodecBatches, Decoder, Encoder, codec_close
+from duplexd.server.codec.errors import AudioError
+from duplexd.server.connection.access import access_denied
+from duplexd.server.connection.admission import serve
+from duplexd.server.connection.closing import Close, CloseCode
+from duplexd.server.connection.pump import Adapter, Pump, binary_frame
+from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.stt.feeder import Feeder
+from duplexd.server.stt.session import admitted, asr_parameters, new_stream
 
-from ..access import access_denied
-from ..admission import serve
-from ..closing import Close, CloseCode
-from ..codec.errors import AudioError
-from ..codec_batches import CodecBatches, Decoder, Encoder, codec_close
-from ..context import Context, ServerContext
-from ..pump import Adapter, Pump, binary_frame
-from . import messages
-from .feeder import Feeder
-from .session import admitted, asr_parameters, new_stream
+from . import asr_messages as messages
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -80,7 +80,7 @@ class AsrAdapter(Adapter):
             self.codec.release(*self.opus)
 
     async def send_output(self, out: SessionOutput) -> None:
-        answer = self.stream.answer(out.frame, out.text_token, out.pause)
+        answer = messages.step_messages(self.stream.step(out.frame, out.text_token, out.pause))
         assert self.feeder is not None
         self.feeder.answer(out.frame + 1)
         async with self.send_lock:

@@ -9,10 +9,11 @@ from typing import Annotated
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
-from .codec_batches import CodecBatches
+from duplexd.server.codec.batches import CodecBatches
+from duplexd.server.connection.pump import Limits
+
 from .drain import Drain
 from .metrics import Metrics
-from .pump import Limits
 from .runtime import Runtime
 from .settings import ServerSettings
 

@@ -21,7 +21,7 @@ from duplexd.engine.transcription.service import (
     TranscriptFailed,
 )
 
-from . import realtime_events as ev
+from . import events as ev
 
 
 @dataclass

@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError
+from duplexd.server.core.context import ServerContext
 
 from .access import access_denied
 from .closing import Close, CloseCode
-from .context import ServerContext
 from .pump import Adapter, Pump, close_connection
 from .query import BadQuery
 

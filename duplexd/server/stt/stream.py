@@ -7,8 +7,8 @@ the ASR delay: moshi-server schedules it `asr_delay_in_tokens` steps after the f
 words of all the audio sent before it have come out by then (the client keeps sending audio, silence if need be,
 for the stream to step).
 
-`step` gives a step as plain data (`AsrStep`), for the other protocol that serves these streams (Realtime
-transcription sessions); `answer` gives moshi-server's messages.
+`step` gives a step as plain data (`AsrStep`), which each protocol that serves these streams words its own way
+(moshi-server's messages: `moshi_server.asr_messages.step_messages`; Realtime transcription sessions).
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from duplexd.engine.stt.words import WordEvent, WordTimer
 from duplexd.wire import FRAME_RATE
-
-from . import messages
-from .words import WordEvent, WordTimer
 
 
 @dataclass(frozen=True)
@@ -39,8 +37,7 @@ class AsrStep:
 
 
 class AsrStream:
-    """One stream's bookkeeping; `received` and `marker` as the client's messages arrive, `step` (or `answer`) per
-    model step."""
+    """One stream's bookkeeping; `received` and `marker` as the client's messages arrive, `step` per model step."""
 
     def __init__(self, delay: int, decode: Callable[[Sequence[int]], str], frame_size: int) -> None:
         self.words = WordTimer(delay, decode)
@@ -65,13 +62,3 @@ class AsrStream:
         buffered = max(self.samples - self.steps * self.frame_size, 0)
         now = max(self.steps - self.delay, 0) / FRAME_RATE
         return AsrStep(frame, words, pause, buffered, due, now, self.words.gathering)
-
-    def answer(self, frame: int, token: int, pause: Sequence[float] | None) -> list[dict]:
-        """moshi-server's messages for step `frame` (see `step`)."""
-        step = self.step(frame, token, pause)
-        out: list[dict] = []
-        if pause is not None:
-            out.append(messages.step(frame, pause, step.buffered))
-        out.extend(messages.word_event(event) for event in step.words)
-        out.extend(messages.marker(marker_id) for marker_id in step.markers)
-        return out

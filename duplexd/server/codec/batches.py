@@ -36,10 +36,11 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from .closing import Close, CloseCode
-from .codec.errors import AudioError
-from .codec.streams import OggOpusDecoder, OggOpusEncoder
-from .codec.workers import CodecWorker, CodecWorkerError, CodecWorkers, RemoteStream
+from duplexd.server.connection.closing import Close, CloseCode
+
+from .errors import AudioError
+from .streams import OggOpusDecoder, OggOpusEncoder
+from .workers import CodecWorker, CodecWorkerError, CodecWorkers, RemoteStream
 
 logger = logging.getLogger(__name__)
 

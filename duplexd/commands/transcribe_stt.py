@@ -3,7 +3,7 @@
 The file goes frame by frame through the engine's own pipeline, as a live `/api/asr-streaming` stream does, with
 the reference's padding: `audio_silence_prefix_seconds` of silence first (the 2.6B wants 1 s), then the audio, then
 the model's text delay plus a second of silence so that its last words come out. Words and their times follow
-moshi-server's rules (`server/asr/words.py`); times count from the start of the file.
+moshi-server's rules (`engine/stt/words.py`); times count from the start of the file.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CheckpointError, InputRefused
 from duplexd.engine.models.config import MIMI_PRESETS
 from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.stt.delay import delay_tokens
+from duplexd.engine.stt.words import EndWord, Word, WordTimer
 from duplexd.engine.weights.checkpoint import CONFIG_NAME, checkpoint_names, load_lm, load_mimi, read_stt_settings
 from duplexd.engine.weights.demo import ensure_demo_stt
 from duplexd.engine.weights.model_files import DTYPES, model_files
-from duplexd.server.asr.delay import delay_tokens
-from duplexd.server.asr.words import EndWord, Word, WordTimer
 from duplexd.wire import split_frames
 
 logger = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from duplexd.engine.stt.words import Word
 from duplexd.engine.transcription.service import (
     SpeechBegan,
     SpeechEnded,
@@ -30,7 +31,6 @@ from duplexd.engine.transcription.service import (
 )
 
 from .stream import AsrStep
-from .words import Word
 
 PAUSE_HORIZONS = (0.5, 1.0, 2.0, 3.0)  # seconds of pause predicted by each of Kyutai's pause heads, in order
 

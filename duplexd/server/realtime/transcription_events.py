@@ -19,17 +19,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from duplexd.server.stt.turns import TurnDetection
 from duplexd.wire import SAMPLE_RATE
 
-from .asr.turns import TurnDetection
-from .realtime_events import (
-    AudioAppend,
-    AudioFormat,
-    ClientEvent,
-    RealtimeError,
-    TranscriptionSettings,
-    refusal,
-)
+from .events import AudioAppend, AudioFormat, ClientEvent, RealtimeError, TranscriptionSettings, refusal
 
 INTENT = "transcription"  # the `intent` query parameter that asks for such a session
 SEMANTIC_SILENCE_S = {"high": 1.0, "medium": 2.0, "auto": 2.0, "low": 3.0}  # Kyutai's own end of turn: 2 s

@@ -7,9 +7,9 @@ import dataclasses
 
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.dialogue.session import Session
+from duplexd.server.connection.pump import Pump
+from duplexd.server.core.context import ServerContext
 
-from ..context import ServerContext
-from ..pump import Pump
 from .feeder import Feeder
 from .stream import AsrStream
 

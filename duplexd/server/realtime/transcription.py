@@ -14,7 +14,8 @@ The first event is `session.created` (GA), or `transcription_session.created` fo
 `OpenAI-Beta: realtime=v1`); updates are answered in the dialect they came in. Audio reaches the engine through the
 same `Feeder` as `/api/asr-streaming`'s, so a client sending faster than real time loses nothing. Errors follow the
 conversation's rules (`realtime`): bad JSON or audio closes with an `error` and a close code, a bad update is a
-non-fatal `invalid_value`. Without `intent=transcription` the model has no conversation to offer: `stt_only`.
+non-fatal `invalid_value`. Without `intent=transcription` the model has no conversation to offer: the session is
+refused with `model_not_conversational`, pointing to the endpoints that serve it.
 """
 
 from __future__ import annotations
@@ -25,22 +26,27 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 
 from duplexd.engine.dialogue.session import SessionOutput
+from duplexd.server.connection.access import offered_subprotocols
+from duplexd.server.connection.admission import serve
+from duplexd.server.connection.closing import Close, CloseCode
+from duplexd.server.connection.pump import Adapter, Pump, text_frame
+from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.stt.feeder import Feeder
+from duplexd.server.stt.session import admitted, asr_parameters, new_stream
+from duplexd.server.stt.turns import Turns
 
-from . import realtime_events as ev
-from . import stt_only
-from . import transcription_session_events as tev
-from .access import offered_subprotocols
-from .admission import serve
-from .asr.feeder import Feeder
-from .asr.session import admitted, asr_parameters, new_stream
-from .asr.turns import Turns
-from .closing import Close
-from .context import Context, ServerContext
-from .pump import Adapter, Pump, text_frame
-from .realtime_items import UserItems
+from . import events as ev
+from . import transcription_events as tev
+from .items import UserItems
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+
+NOT_CONVERSATIONAL = (
+    "this server runs a speech-to-text model, which does not converse: open a transcription session "
+    "(/v1/realtime?intent=transcription) or stream audio to /api/asr-streaming"
+)
+NOT_CONVERSATIONAL_REASON = "speech-to-text model: use ?intent=transcription or /api/asr-streaming"  # <= 123 bytes
 
 
 class Flushes:
@@ -178,8 +184,15 @@ class TranscriptionAdapter(Adapter):
 @router.websocket("/v1/realtime")
 async def transcription_session(ws: WebSocket, ctx: Context) -> None:
     if ws.query_params.get("intent") != tev.INTENT:
-        await stt_only.refuse_realtime(ws)
+        await refuse_conversation(ws)
         return
     adapter = TranscriptionAdapter(ws, ctx)
     subprotocol = ev.SUBPROTOCOL if ev.SUBPROTOCOL in offered_subprotocols(ws) else None
     await serve(ctx, adapter, subprotocol, asr_parameters, adapter.greet)
+
+
+async def refuse_conversation(ws: WebSocket) -> None:
+    """A Realtime conversation asked of a speech-to-text model."""
+    await ws.accept()
+    await ws.send_text(ev.error_event("model_not_conversational", NOT_CONVERSATIONAL))
+    await ws.close(CloseCode.POLICY_VIOLATION, NOT_CONVERSATIONAL_REASON)

@@ -45,10 +45,9 @@ from duplexd.engine.transcription.files import (
 from duplexd.engine.transcription.service import TranscriptionService
 from duplexd.engine.transcription.transcriber import instruction
 from duplexd.engine.transcription.vad import VAD_RATE, load_silero
-
-from .access import key_ok
-from .audio_upload import Decoded, UploadError, decode
-from .context import Context, ServerContext
+from duplexd.server.codec.upload import Decoded, UploadError, decode
+from duplexd.server.connection.access import key_ok
+from duplexd.server.core.context import Context, ServerContext
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

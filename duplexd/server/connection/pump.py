@@ -32,9 +32,9 @@ from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.persona.prompt import PersonaPrompt
 from duplexd.engine.transcription.service import TranscriptEvent, TranscriptionService, TranscriptStream
 from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT
+from duplexd.server.core.metrics import Metrics
 
 from .closing import Close, CloseCode, Disconnected, close_for_session_end
-from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

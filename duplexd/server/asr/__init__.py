@@ -1,1 +1,0 @@
-"""moshi-server's speech-to-text protocol (`/api/asr-streaming`) over duplexd's engine, for a Kyutai STT model."""
