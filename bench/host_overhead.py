@@ -113,18 +113,18 @@ def ms_per_session_s(cpu_seconds: float, session_seconds: float) -> float:
 RULES: tuple[tuple[str, re.Pattern, re.Pattern | None], ...] = tuple(
     (cat, re.compile(path), re.compile(func) if func else None)
     for cat, path, func in (
-        ("codec", r"(^|/)server/codec/|(^|/)server/codec_batches\.py$|(^|/)sphn/|(^|/)ctypes/", None),
-        ("codec", r"(^|/)duplexd/wire\.py$|(^|/)server/realtime_events\.py$", r"^(pcm16|pcm16_bytes|pcm_from_pcm16)$"),
+        ("codec", r"(^|/)server/codec/|(^|/)sphn/|(^|/)ctypes/", None),
+        ("codec", r"(^|/)duplexd/wire\.py$|(^|/)server/realtime/events\.py$", r"^(pcm16|pcm16_bytes|pcm_from_pcm16)$"),
         (
             "framing",
             r"(^|/)(websockets|wsproto|h11|json|orjson)/|(^|/)uvicorn/protocols/|(^|/)starlette/websockets\.py$"
-            r"|(^|/)base64\.py$|(^|/)server/(protocol|realtime_events)\.py$|(^|/)duplexd/wire\.py$",
+            r"|(^|/)base64\.py$|(^|/)server/(kyutai/messages|realtime/events)\.py$|(^|/)duplexd/wire\.py$",
             None,
         ),
         ("engine", r"(^|/)engine/|(^|/)torch/", None),
-        ("metrics", r"(^|/)prometheus_client/|(^|/)server/(latency|metrics)\.py$", None),
+        ("metrics", r"(^|/)prometheus_client/|(^|/)server/core/metrics\.py$", None),
         ("asyncio", r"(^|/)(asyncio|uvloop|anyio|concurrent)/|(^|/)threading\.py$", None),
-        ("server", r"(^|/)server/[^/]*\.py$", None),
+        ("server", r"(^|/)server/", None),
     )
 )
 REST = ("metrics", "asyncio", "server", "other")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from duplexd.engine.transcription.service import SpeechBegan, SpeechEnded, TranscriptDelta, TranscriptDone
-from duplexd.server.realtime.conversation.transcription_events import TurnDetectionSettings
+from duplexd.server.realtime.transcription_events import TurnDetectionSettings
 from duplexd.server.stt.stream import AsrStream
 from duplexd.server.stt.turns import TurnDetection, Turns
 
