@@ -15,6 +15,7 @@ import pytest
 
 from duplexd.engine.stt.words import EndWord, Word
 from duplexd.server.moshi_server import asr_messages as messages
+from duplexd.server.moshi_server import stream
 
 
 def fixstr(text: str) -> bytes:
@@ -36,7 +37,7 @@ def f32(x: float) -> bytes:
 
 
 def test_server_bytes_as_rmp_serde() -> None:
-    assert messages.pack(messages.ready()) == fixmap(("type", fixstr("Ready")))
+    assert stream.pack(stream.ready()) == fixmap(("type", fixstr("Ready")))
     word = messages.word_event(Word("héllo", 1.36))
     assert messages.pack(word) == fixmap(("type", fixstr("Word")), ("text", fixstr("héllo")), ("start_time", f64(1.36)))
     end = messages.word_event(EndWord(2.0))
@@ -48,7 +49,7 @@ def test_server_bytes_as_rmp_serde() -> None:
     )
     assert messages.pack(messages.marker(5)) == fixmap(("type", fixstr("Marker")), ("id", b"\x05"))
     assert messages.pack(messages.marker(-1)) == fixmap(("type", fixstr("Marker")), ("id", b"\xff"))
-    error = messages.pack(messages.error("no free channels"))
+    error = stream.pack(stream.error("no free channels"))
     assert error == fixmap(("type", fixstr("Error")), ("message", fixstr("no free channels")))
 
 

@@ -26,8 +26,8 @@ from duplexd.server.connection.pump import Adapter, Limits, Pump
 from duplexd.server.connection.query import BadQuery, max_frames_from_query, sampling_from_query
 from duplexd.server.core.runtime import ModelInfo, Runtime
 from duplexd.server.core.settings import ServerSettings
-from duplexd.server.kyutai.chat import messages as protocol
-from duplexd.server.realtime.conversation import events as ev
+from duplexd.server.kyutai import messages as protocol
+from duplexd.server.realtime import events as ev
 
 
 def test_protocol_framing():

@@ -3,11 +3,12 @@
 The upgrade is refused with HTTP 401 without the API key (moshi-server's `kyutai-api-key` header or `auth_id`
 query, or any form `server.access` takes), as moshi-server does; then the connection goes through the server's
 admission and pump like every session, with `Ready` as its greeting and `Error{"no free channels"}` as its
-refusal at capacity. Audio (`Audio` samples, or `OggOpus` decoded on the codec threads) goes into the session
-through a `Feeder`; each step comes back as `AsrStream` says. A message that cannot be read ends the connection
-with an `Error` saying why and a close code (1003 text frame, 1007 bad message, 1009 too big), never touching any
-other stream. As moshi-server: the server pings every `--ws-ping-interval` (10 s) and drops a client that does not
-answer, and drops one that sent nothing for `--asr-idle-timeout` (120 s).
+refusal at capacity (`stream.StreamAdapter`: after `Ready`, no `Error`, only the close frame). Audio (`Audio`
+samples, or `OggOpus` decoded on the codec threads) goes into the session through a `Feeder`; each step comes back
+as `AsrStream` says. A message that cannot be read ends the connection with a close code and a reason saying why
+(1003 text frame, 1007 bad message, 1009 too big), never touching any other stream. As moshi-server: the server
+pings every `--ws-ping-interval` (10 s) and drops a client that does not answer, and drops one that sent nothing
+for `--asr-idle-timeout` (120 s).
 """
 
 from __future__ import annotations
@@ -24,21 +25,21 @@ from duplexd.server.codec.errors import AudioError
 from duplexd.server.connection.access import access_denied
 from duplexd.server.connection.admission import serve
 from duplexd.server.connection.closing import Close, CloseCode
-from duplexd.server.connection.pump import Adapter, Pump, binary_frame
+from duplexd.server.connection.pump import Pump, binary_frame
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.stt.feeder import Feeder
 from duplexd.server.stt.session import admitted, asr_parameters, new_stream
 
 from . import asr_messages as messages
+from .stream import StreamAdapter
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
 PATH = "/api/asr-streaming"
-NO_FREE_CHANNELS = "no free channels"  # moshi-server's refusal at capacity, which Unmute recognises
 
 
-class AsrAdapter(Adapter):
+class AsrAdapter(StreamAdapter):
     name = "asr"
 
     def __init__(self, ws: WebSocket, ctx: ServerContext) -> None:
@@ -87,10 +88,6 @@ class AsrAdapter(Adapter):
             for message in answer:
                 await self.ws.send_bytes(messages.pack(message))
 
-    async def send_error(self, close: Close) -> None:
-        text = NO_FREE_CHANNELS if close.error == "capacity" else close.message
-        await self.send_bytes(messages.pack(messages.error(text)))
-
 
 @router.websocket(PATH)
 async def asr_streaming(ws: WebSocket, ctx: Context) -> None:
@@ -106,7 +103,7 @@ async def asr_streaming(ws: WebSocket, ctx: Context) -> None:
 
     async def greet(pump: Pump) -> None:
         adapter.admitted(pump)
-        await adapter.send_bytes(messages.pack(messages.ready()))
+        await adapter.send_ready()
 
     try:
         await serve(ctx, adapter, None, asr_parameters, greet)

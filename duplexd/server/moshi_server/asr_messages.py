@@ -7,8 +7,8 @@ reads them (unknown fields ignored, integers taken as floats) and refused, with 
 anything else: not MessagePack, not a map, an unknown `type`, a missing or mistyped field.
 
 Client: `Audio{pcm}` (24 kHz mono float samples, any count), `OggOpus{data}` (Ogg/Opus bytes), `Marker{id}`.
-Server: `Ready`, `Word{text, start_time}`, `EndWord{stop_time}`, `Step{step_idx, prs, buffered_pcm}`,
-`Marker{id}`, `Error{message}`.
+Server: `Word{text, start_time}`, `EndWord{stop_time}`, `Step{step_idx, prs, buffered_pcm}`, `Marker{id}`;
+`Ready` and `Error{message}`, which every moshi-server stream sends, are `stream`'s.
 """
 
 from __future__ import annotations
@@ -113,14 +113,6 @@ def _kind(value: Any) -> str:
 
 _DOUBLE = msgpack.Packer()  # rmp_serde writes an f64 as float 64
 _SINGLE = msgpack.Packer(use_single_float=True)  # ... and an f32 (Step's probabilities) as float 32
-
-
-def ready() -> dict:
-    return {"type": "Ready"}
-
-
-def error(message: str) -> dict:
-    return {"type": "Error", "message": message}
 
 
 def marker(marker_id: int) -> dict:
