@@ -42,7 +42,7 @@ from duplexd.server.core.build_info import BUILD_INFO
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.core.persona import KYUTAI, Persona, PersonaRefused, Personas
 
-from . import messages as protocol
+from . import messages
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -89,10 +89,10 @@ class KyutaiAdapter(Adapter):
     async def on_message(self, message: dict) -> np.ndarray | None:
         data = binary_frame(message, "binary kind-byte messages")
         try:
-            msg = protocol.decode(data)
-        except protocol.ProtocolError as e:
+            msg = messages.decode(data)
+        except messages.ProtocolError as e:
             raise Close(CloseCode.PROTOCOL_ERROR, "unknown_kind", str(e)) from None
-        if msg.kind != protocol.Kind.AUDIO:
+        if msg.kind != messages.Kind.AUDIO:
             logger.debug("ignoring a %s message from the client", msg.kind.name.lower())
             return None
         try:
@@ -107,15 +107,15 @@ class KyutaiAdapter(Adapter):
             raise codec_close(e) from None
         async with self.send_lock:
             if ogg:
-                await self.ws.send_bytes(protocol.audio(ogg))
+                await self.ws.send_bytes(messages.audio(ogg))
             if out.text:
-                await self.ws.send_bytes(protocol.text(out.text))
+                await self.ws.send_bytes(messages.text(out.text))
 
     async def send_error(self, close: Close) -> None:
-        await self.send_bytes(protocol.error(close.message))
+        await self.send_bytes(messages.error(close.message))
 
     async def send_transcript(self, event: TranscriptEvent) -> None:
-        await self.send_bytes(protocol.transcript(event))
+        await self.send_bytes(messages.transcript(event))
 
 
 def _name(path: str) -> str:
@@ -162,7 +162,7 @@ async def chat(ws: WebSocket, ctx: Context) -> None:
 
     async def greet(pump: Pump) -> None:
         unavailable = adapter.start_transcribing(pump)  # first: the metadata says whether it is on
-        await adapter.send_bytes(protocol.metadata(metadata(ctx, pump, adapter.persona)))
+        await adapter.send_bytes(messages.metadata(metadata(ctx, pump, adapter.persona)))
         persona = adapter.persona
         if persona is not None:  # as PersonaPlex's server: the prompt runs, then the handshake
             if not await pump.session.until_live():
@@ -174,9 +174,9 @@ async def chat(ws: WebSocket, ctx: Context) -> None:
                 persona.prompt.calls,
                 (pump.session.prompt_seconds or 0.0) * 1000,
             )
-        await adapter.send_bytes(protocol.handshake())
+        await adapter.send_bytes(messages.handshake())
         if unavailable:
-            await adapter.send_bytes(protocol.transcription_unavailable(unavailable))
+            await adapter.send_bytes(messages.transcription_unavailable(unavailable))
 
     try:
         await serve(ctx, adapter, None, adapter.parameters, greet)
