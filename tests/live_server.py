@@ -16,6 +16,17 @@ from pathlib import Path
 import httpx2
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a server's codec workers), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+    return sorted(out)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,6 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -32,7 +31,7 @@ from duplexd.server.connection.closing import Close, CloseCode, close_for_sessio
 from duplexd.server.connection.pump import close_connection
 from duplexd.server.moshi_server.stream import StreamAdapter
 
-from .live_server import running_server
+from .live_server import children, running_server
 from .test_asr_e2e import FRAME, HEADERS, KEY, RATE, audio_message, pack, speech, unmute_until_closed, words_model
 
 MAX_SECONDS = 4.0
@@ -83,17 +82,6 @@ async def stream_until_closed(address: str, ogg: bool = False, during=None) -> t
             return await unmute_until_closed(ws), time.monotonic() - started
         finally:
             sender.cancel()
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`: the server's codec workers."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            text = stat.read_text()
-            if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-    return out
 
 
 async def answered(ws, steps: int = 3) -> None:

@@ -27,7 +27,7 @@ import sphn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from .live_server import running_server
+from .live_server import children, running_server
 
 RATE, FRAME = 24000, 1920
 KEY = "test-key"
@@ -605,17 +605,6 @@ def test_killed_client_frees_its_slot(server):
     assert server.get("/ready").json()["admissible_sessions"] == 4
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`: the server's codec workers."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            text = stat.read_text()
-            if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-    return sorted(out)
-
-
 async def _stream_until_end(ws, frames: int) -> tuple[int, str | None, int | None]:
     """Send `frames` frames of Opus at 20 ms a frame; (audio messages received, error message, close code)."""
     writer, audio = sphn.OpusStreamWriter(RATE), tone(frames)
@@ -647,7 +636,7 @@ def test_a_dead_codec_worker_ends_only_its_sessions_and_is_replaced(server):
     """Two sessions on the two codec workers (a session's streams share one); one worker is killed mid-stream: its
     session gets an error message and close 1011, the other keeps its audio, and a new session works."""
     server.wait_idle()
-    workers = _children(server.proc.pid)
+    workers = children(server.proc.pid)
     assert len(workers) == 2, workers
 
     async def main():
@@ -669,7 +658,7 @@ def test_a_dead_codec_worker_ends_only_its_sessions_and_is_replaced(server):
     assert ended[0][2] == 1011 and "codec worker exited" in (ended[0][1] or ""), ended
     assert kept[0] == (11, None, None)
     assert fresh_messages == 3
-    replaced = _children(server.proc.pid)
+    replaced = children(server.proc.pid)
     assert len(replaced) == 2 and workers[0] not in replaced and workers[1] in replaced
     assert "codec worker 0" in server.log.read_text() or "codec worker 1" in server.log.read_text()
 
