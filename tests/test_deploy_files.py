@@ -111,7 +111,7 @@ def test_kubernetes_deployment_probes_gpu_and_grace_period():
 
 def served_metrics() -> set[str]:
     """Every series name server/core/metrics.py exports (counters with _total, histograms with their suffixes)."""
-    source = (ROOT / "duplexd" / "server" / "metrics.py").read_text()
+    source = (ROOT / "duplexd" / "server" / "core" / "metrics.py").read_text()
     names = set(re.findall(r'"(duplexd_\w+)"', source))
     counters = set(re.findall(r'Counter\(\s*"(duplexd_\w+)"', source)) | set(
         re.findall(r'"(duplexd_(?:engine_steps|frames_in|frames_out))"', source)
