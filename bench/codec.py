@@ -45,7 +45,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -249,7 +249,9 @@ def wall_through_batches(frames, uplinks, threads: int, processes: int, groups: 
         async def group(g: int, ticks: range) -> None:
             members = range(g, len(frames), groups)
             for tick in ticks:
-                work = [codec.decode(decoders[s], uplinks[s % len(uplinks)][tick]) for s in members]
+                work: list[Awaitable[object]] = [
+                    codec.decode(decoders[s], uplinks[s % len(uplinks)][tick]) for s in members
+                ]
                 work += [codec.encode(encoders[s], frames[s][tick]) for s in members]
                 await asyncio.gather(*work)
 
@@ -286,8 +288,10 @@ def libopus_share(frames, uplinks, lib) -> float:
                 decoder.decode_into(packet, address)
             encoder.encode(frames[s][tick])
     raw = time.process_time() - started
-    for coder in (*decoders, *encoders):
-        coder.close()
+    for decoder in decoders:
+        decoder.close()
+    for encoder in encoders:
+        encoder.close()
     return min(raw / full, 1.0)
 
 
@@ -408,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     # thread scaling: the best of the repeats for each side (a scheduler hiccup only ever slows a run down)
     walls: dict[tuple[str, int], list[tuple[float, float]]] = {(k, t): [] for k in ("ours", "sphn") for t in (1, 2)}
     for _ in range(args.repeats):
-        for key in walls:
-            walls[key].append(wall_with_threads(key[0], frames, browser, key[1]))
+        for side, threads in walls:
+            walls[(side, threads)].append(wall_with_threads(side, frames, browser, threads))
     header = f"{'1 thread s':>10} {'2 threads s':>12} {'scaling':>8} {'CPUs used':>10}"
     print(f"\n{'codec worker tick (decode + encode)':<34} {header}")
     for kind, label, key in (
@@ -430,15 +434,16 @@ def main(argv: list[str] | None = None) -> int:
         for threads, processes in served:
             served[(threads, processes)].append(wall_through_batches(frames, browser, threads, processes))
     best = {k: min(v) for k, v in served.items()}
-    for label, key, one, two in (
+    for label, key, single, doubled in (
         ("server path, codec threads", "batches_thread_scaling_2", (1, 0), (2, 0)),
         ("server path, worker processes", "worker_scaling_2", (1, 1), (1, 2)),
     ):
-        print(f"{label:<34} {best[one][0]:>10.3f} {best[two][0]:>12.3f} {best[one][0] / best[two][0]:>8.2f}")
-        out[key] = round(best[one][0] / best[two][0], 3)
+        a, b = best[single][0], best[doubled][0]
+        print(f"{label:<34} {a:>10.3f} {b:>12.3f} {a / b:>8.2f}")
+        out[key] = round(a / b, 3)
     # what coding costs the server's own process per stream-second (event loop + couriers; threads included)
-    for key, k in (("server_process_ms_per_s_threads_2", (2, 0)), ("server_process_ms_per_s_workers_2", (1, 2))):
-        out[key] = round(1000 * best[k][1] / stream_s, 4)
+    for key, setting in (("server_process_ms_per_s_threads_2", (2, 0)), ("server_process_ms_per_s_workers_2", (1, 2))):
+        out[key] = round(1000 * best[setting][1] / stream_s, 4)
     share = statistics.median(libopus_share(frames, browser, lib) for _ in range(args.repeats))
     bound = 1 / ((1 - share) + share / 2)
     out["libopus_cpu_share"], out["thread_scaling_2_bound"] = round(share, 3), round(bound, 3)

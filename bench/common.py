@@ -73,21 +73,23 @@ def side_by_side(run: Callable[[int], tuple[float, float]], result: dict, batche
         )
 
 
-def parse_args(doc: str, kv_dtype: bool = False) -> argparse.Namespace:
-    """The common flags (--frames, --warmup, --threads, and --kv-dtype for a bench that runs the LM's KV cache);
-    sets torch's thread count."""
+def parse_args(doc: str, kv_dtype: bool = False, small: bool = False) -> argparse.Namespace:
+    """The common flags (--frames, --warmup, --threads; --kv-dtype for a bench that runs the LM's KV cache, --small
+    for one that can run the demo model's sizes instead, as its smoke run does); sets torch's thread count."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--frames", type=int, default=30, help="timed frames (after warm-up)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     if kv_dtype:
         add_kv_dtype(parser)
+    if small:
+        parser.add_argument("--small", action="store_true", help="the demo model's sizes (a smoke run)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     return args
 
 
-def median_ms(step: Callable[[object], object], inputs: Iterable, warmup: int) -> float:
+def median_ms(step: Callable[[T], object], inputs: Iterable[T], warmup: int) -> float:
     """Median wall time of `step(x)` over `inputs`, in ms, skipping the first `warmup` calls."""
     times = []
     for index, x in enumerate(inputs):

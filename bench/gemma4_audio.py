@@ -1,4 +1,5 @@
-"""CPU benchmark: duplexd's Gemma 4 audio encoder vs `transformers`, real E2B config, same random weights.
+"""CPU benchmark: duplexd's Gemma 4 audio encoder vs `transformers`, real E2B config (unless `--hidden`/`--layers`
+say otherwise), same random weights.
 
 Reports seconds of audio encoded per second of wall time (higher is better):
 
@@ -13,7 +14,7 @@ Reports seconds of audio encoded per second of wall time (higher is better):
 The last line printed is one JSON object with the figures and ratios.
 
     python bench/gemma4_audio.py [--seconds 3 10 30] [--batch 2 5 10 20] [--iters 3] [--stream-steps 25]
-                                 [--slots 1 8] [--threads N]
+                                 [--slots 1 8] [--threads N] [--hidden 1024 --layers 12]
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ CHUNK = 1280  # 80 ms at 16 kHz
 
 
 @torch.no_grad()
-def build(seed: int = 0) -> tuple[Gemma4AudioModel, Gemma4AudioEncoder]:
+def build(hidden: int, layers: int, seed: int = 0) -> tuple[Gemma4AudioModel, Gemma4AudioEncoder]:
     torch.manual_seed(seed)
-    hc = HFAudioConfig()
+    hc = HFAudioConfig(hidden_size=hidden, num_hidden_layers=layers)
     hf = Gemma4AudioModel(hc).eval()
     gen = torch.Generator().manual_seed(seed)
     for name, p in hf.named_parameters():  # realistic, non-trivial values: clamps and scales do work
@@ -78,13 +79,15 @@ def main() -> None:
     ap.add_argument("--stream-steps", type=int, default=25, help="80 ms steps per streaming run")
     ap.add_argument("--slots", type=int, nargs="*", default=[1, 8], help="streaming batch sizes (nothing = skip)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=1024, help="tower width (E2B: 1024)")
+    ap.add_argument("--layers", type=int, default=12, help="tower depth (E2B: 12)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
     t0 = time.perf_counter()
-    hf, ours = build()
+    hf, ours = build(args.hidden, args.layers)
     fe = Gemma4AudioFeatureExtractor()
     print(
         f"built models ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M params) "
@@ -92,7 +95,14 @@ def main() -> None:
     )
 
     rows: list[tuple[str, float, float]] = []
-    result: dict = {"bench": "gemma4_audio", "threads": torch.get_num_threads(), "whole": {}, "stream": {}}
+    tower = f"{args.hidden}x{args.layers}"
+    result: dict = {
+        "bench": "gemma4_audio",
+        "tower": tower,
+        "threads": torch.get_num_threads(),
+        "whole": {},
+        "stream": {},
+    }
     with torch.inference_mode():
         for sec in args.seconds:
             w = audio(sec)

@@ -88,12 +88,12 @@ class BatchResult:
     bucket: int | None = None
     error: str = ""
 
-    def stat(self, q: float) -> float | None:
-        return percentile(self.samples_ms, q) if self.samples_ms else None
+    def stat(self, q: float) -> float:
+        """The q-th percentile of the step times; a batch with none has no statistic (ValueError)."""
+        return percentile(self.samples_ms, q)
 
     def meets(self, budget_ms: float) -> bool:
-        p99 = self.stat(99)
-        return self.status == OK and p99 is not None and p99 <= budget_ms
+        return self.status == OK and bool(self.samples_ms) and self.stat(99) <= budget_ms
 
     def to_dict(self, budget_ms: float) -> dict:
         out: dict[str, object] = {

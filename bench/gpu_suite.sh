@@ -44,6 +44,7 @@ if [ -z "${PYTHON:-}" ]; then
   PYTHON=python3
   [ -x /opt/torch/.venv/bin/python3 ] && PYTHON=/opt/torch/.venv/bin/python3
 fi
+case "$PYTHON" in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON") ;; esac  # stages cd elsewhere
 WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/duplexd-site}
 DIR=${OUT:-bench/out/gpu-$(date -u +%Y%m%d-%H%M%S)}
@@ -91,6 +92,18 @@ W8_ARGS=${W8_ARGS:-$DEFAULT_W8}
 STT_ARGS=${STT_ARGS:-$DEFAULT_STT}
 FIRST_FAILURE=0
 
+# Every process a stage started ends with the suite, however the suite ends. Stages run in the background and are
+# waited for, so a signal is handled at once (bash holds a trap until a foreground command returns); `timeout`
+# passes the TERM on to its command.
+cleanup() {
+  trap - INT TERM
+  pkill -TERM -P $$ 2> /dev/null
+  wait 2> /dev/null
+}
+trap 'cleanup; exit 130' INT
+trap 'cleanup; exit 143' TERM
+trap cleanup EXIT
+
 say() { echo "[gpu_suite $(($(date +%s) - STARTED))s] $*"; }
 
 # Seconds a stage may take: its own limit, within what is left of the budget after `reserve` seconds for later.
@@ -108,7 +121,8 @@ stage() {
   shift 2
   t0=$(date +%s)
   say "$name: start (limit ${limit}s)"
-  timeout -k 10 "$limit" "$@" > "$DIR/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$DIR/$name.log" 2>&1 &
+  wait $!
   rc=$?
   record "$name" "$rc" "$(($(date +%s) - t0))"
   return "$rc"
@@ -133,8 +147,11 @@ install() {
   else
     echo "no wheels in $WHEELS: relying on the image for duplexd's dependencies"
   fi
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  timeout "$limit" "$PYTHON" -m pip install -q --no-index --no-build-isolation --no-deps -e . || return 1
+  if [ "$DRY" = 1 ]; then
+    echo "dry run: duplexd as the caller's Python has it (not reinstalled)"
+  else
+    timeout "$limit" "$PYTHON" -m pip install -q --no-index --no-build-isolation --no-deps -e . || return 1
+  fi
   (cd / && timeout "$limit" "$PYTHON" -c "import duplexd.server.app, duplexd.commands.cli; print('duplexd imports')") \
     || return 1
   timeout "$limit" "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
@@ -215,7 +232,9 @@ say "out: $DIR; python: $PYTHON; dry run: $DRY; budget ${BUDGET}s"
 
 t0=$(date +%s)
 say "install: start"
-install "$(allow "$T_INSTALL" $((380 + T_KV)))" > "$DIR/install.log" 2>&1
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"  # the wheels install puts there, for every later stage
+install "$(allow "$T_INSTALL" $((380 + T_KV)))" > "$DIR/install.log" 2>&1 &
+wait $!
 record install $? "$(($(date +%s) - t0))"
 
 stage gpu_kernels "$(allow "$T_KERNELS" $((300 + T_KV)))" "$PYTHON" bench/gpu_kernels.py

@@ -3,10 +3,11 @@
 Usage: python bench/gpu_summary.py DIR
 
 Reads what the stages left in DIR (stages.tsv, gpu_kernels.log's JSON line, gpu_capacity.json/.md,
-prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt, kv_dtype.json, stt/gpu_capacity.json/.md)
-and tolerates any of them missing: a stage that failed or timed out says so instead of its table (the prompt
-prefill bench prints a partial line after batch 1, so a run cut short still shows that).
-Standard library only, so it runs whatever else went wrong.
+prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt, kv_dtype.json, weights_dtype.json,
+stt/gpu_capacity.json/.md) and tolerates any of them missing: a stage that failed or timed out says so instead of
+its table (the prompt prefill bench prints a partial line after batch 1, so a run cut short still shows that).
+The last line printed is one JSON object, `{"bench": "gpu_suite", ...}`: each stage's status and the headline
+figures. Standard library only, so it runs whatever else went wrong.
 """
 
 from __future__ import annotations
@@ -196,6 +197,69 @@ def kv_table(data: dict | None) -> tuple[str, str]:
     return "\n".join(lines), f"kv dtype {kv}: " + (", ".join(words) or "nothing measured")
 
 
+def weights_table(data: dict | None) -> tuple[str, str]:
+    """(markdown, one-line verdict) from bench/weights_dtype.py's weights_dtype.json: the W8A16 kernel's check, step
+    times with int8 against float weights, and the logit agreement of int8 weights (text head int8 and float)."""
+    if data is None:
+        return "no result (see weights_dtype.log)", "weights int8: no result"
+    if data.get("skipped") and not isinstance(data["skipped"], dict):
+        return f"skipped: {data['skipped']}", f"weights int8: skipped ({data['skipped']})"
+    lines = [f"{data.get('preset')}, {data.get('dtype')} against int8 weights on {data.get('device')}", ""]
+    words: list[str] = []
+    for stage, why in (data.get("skipped") or {}).items():
+        lines.append(f"{stage}: skipped ({why})")
+    kernel = data.get("kernel")
+    if kernel:
+        lines.append(f"W8A16 kernel against the torch reference: {'ok' if kernel.get('ok') else 'FAILED'}")
+        words.append(f"kernel {'ok' if kernel.get('ok') else 'FAILED'}")
+    steps = data.get("steps") or {}
+    ratio = steps.get("ratio") or {}
+    if ratio:
+        batches = sorted(ratio, key=int)
+        lines += ["", "| weights | " + " | ".join(f"B={b} p50 / p99 ms" for b in batches) + " |"]
+        lines.append("|---|" + "---:|" * len(batches))
+        for name in ("bf16", "int8"):
+            row = steps.get(name) or {}
+            cells = [
+                f"{row[b]['p50_ms']} / {row[b]['p99_ms']}" if "p50_ms" in row.get(b, {}) else "does not fit"
+                for b in batches
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("| int8 / bf16 | " + " | ".join(f"{ratio[b]['p50']} / {ratio[b]['p99']}" for b in batches) + " |")
+        b1 = ratio.get("1", {}).get("p50")
+        goal = steps.get("goal_ratio_b1")
+        words.append(f"step ratio at batch 1 {b1} (goal <= {goal}: {'met' if steps.get('met') else 'NOT met'})")
+    agree = data.get("agreement") or {}
+    for head in ("text_head_int8", "text_head_float"):
+        if head in agree:
+            text = agree[head]["text"]
+            lines.append(
+                f"\n{head.replace('_', ' ')}: text KL mean {text['kl_mean']:.2e}, top-1 "
+                f"{100 * text['top1_agreement']:.2f} % over {agree['frames']} frames x {agree['rows']} rows"
+            )
+    if "text_head_int8" in agree:
+        words.append(f"text top-1 {100 * agree['text_head_int8']['text']['top1_agreement']:.2f} %")
+    return "\n".join(lines), "weights int8: " + (", ".join(words) or "nothing measured")
+
+
+def headline(steps: list[list[str]], reports: dict[str, dict | None]) -> dict:
+    """The run in one JSON object: each stage's status and the figures a reader looks for first."""
+    capacity, stt = reports["capacity"] or {}, reports["stt"] or {}
+    prefill, load = reports["prefill"] or {}, (reports["load"] or {}).get("overall") or {}
+    kv, weights = reports["kv"] or {}, reports["weights"] or {}
+    return {
+        "bench": "gpu_suite",
+        "device": capacity.get("device") or kv.get("device") or weights.get("device"),
+        "stages": {s[0]: s[3] for s in steps},
+        "realtime_sessions": capacity.get("realtime_sessions"),
+        "stt_streams": stt.get("realtime_sessions"),
+        "prefill_ttfo_ms": prefill.get("ttfo_prefill_ms"),
+        "loadtest_sessions": load.get("sessions"),
+        "kv_int8_top1": (kv.get("agreement") or {}).get("top1_agreement"),
+        "weights_int8_step_ratio_b1": ((weights.get("steps") or {}).get("ratio") or {}).get("1", {}).get("p50"),
+    }
+
+
 def loadtest_table(data: dict | None) -> tuple[str, str]:
     if data is None:
         return "no result (see serve.log, loadtest.log)", "loadtest: no result"
@@ -260,9 +324,12 @@ def main(argv: list[str]) -> int:
     kernels, kernels_line = kernels_table(_json_line(run / "gpu_kernels.log"))
     capacity = _load(run / "gpu_capacity.json")
     capacity_md = (run / "gpu_capacity.md").read_text() if (run / "gpu_capacity.md").is_file() else "no result"
-    prefill, prefill_line = prefill_table(_json_line(run / "prompt_prefill.log"))
-    load, load_line = loadtest_table(_load(run / "loadtest.json"))
-    kv, kv_line = kv_table(_load(run / "kv_dtype.json"))
+    prefill, prefill_line = prefill_table(_json_line(run / "prompt_prefill.log"))  # printed partial lines too
+    load_data, prefill_data = _load(run / "loadtest.json"), _json_line(run / "prompt_prefill.log")
+    load, load_line = loadtest_table(load_data)
+    kv_data, weights_data = _load(run / "kv_dtype.json"), _load(run / "weights_dtype.json")
+    kv, kv_line = kv_table(kv_data)
+    weights, weights_line = weights_table(weights_data)
     stt = _load(run / "stt" / "gpu_capacity.json")
     stt_md_path = run / "stt" / "gpu_capacity.md"
     stt_md = stt_md_path.read_text() if stt_md_path.is_file() else "no result"
@@ -292,6 +359,8 @@ def main(argv: list[str]) -> int:
                 load,
                 "## 8-bit KV cache (bench/kv_dtype.py)",
                 kv,
+                "## 8-bit weights (bench/weights_dtype.py)",
+                weights,
                 "## Speech-to-text streams (bench/gpu_capacity.py, Kyutai STT 1B; goal >= 600 with p99 step <= 80 ms)",
                 stt_md.strip(),
             ]
@@ -302,8 +371,10 @@ def main(argv: list[str]) -> int:
     print(f"summary: {run / 'summary.md'}")
     print(stage_table)
     stt_line = capacity_verdict(stt, f"{(stt or {}).get('preset', 'stt-1b')} streams", "stt_capacity.log")
-    for line in (kernels_line, capacity_verdict(capacity), prefill_line, load_line, kv_line, stt_line):
+    for line in (kernels_line, capacity_verdict(capacity), prefill_line, load_line, kv_line, weights_line, stt_line):
         print(line)
+    reports = {"capacity": capacity, "stt": stt, "prefill": prefill_data, "load": load_data}
+    print(json.dumps(headline(steps, {**reports, "kv": kv_data, "weights": weights_data})))
     return 0
 
 

@@ -8,7 +8,9 @@
 # PYTHONPATH is harmless to the image's own packages. Versions are those the test environment runs.
 #
 # WHEEL_PYTHON=3.11 WHEEL_DEST=DIR fetch the same set for another Python (to check the set on a machine whose
-# Python differs from the image's: bench/gpu_suite.sh's dry run can use it with WHEELS=DIR).
+# Python differs from the image's: bench/gpu_suite.sh's dry run can use it with WHEELS=DIR). WHEEL_CHECK=1 only
+# resolves the set against the index (pip's --dry-run: every pin exists as a wheel for the image's platform and
+# Python), downloading nothing: the test suite's smoke run. The last line is one JSON object.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -23,11 +25,25 @@ WHEELS=(
   sphn==0.2.1 soundfile==0.14.0 soxr==1.1.0 cffi==2.1.1 pycparser==3.12
 )
 
+PLATFORM=(--no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+if [ "${WHEEL_CHECK:-0}" = 1 ]; then
+  report=$(mktemp)
+  trap 'rm -f "$report"' EXIT
+  python3 -m pip install --quiet --dry-run --ignore-installed --target "$(mktemp -d)" --report "$report" \
+    "${PLATFORM[@]}" "${WHEELS[@]}"
+  count=$(python3 -c "import json, sys; print(len(json.load(open(sys.argv[1]))['install']))" "$report")
+  echo "$count of ${#WHEELS[@]} wheels resolve for Python $PYVER"
+  echo "{\"bench\": \"gpu_wheels\", \"checked\": true, \"wheels\": $count, \"expected\": ${#WHEELS[@]}}"
+  [ "$count" -eq "${#WHEELS[@]}" ]
+  exit
+fi
+
 rm -rf "$DEST"
 mkdir -p "$DEST"
-python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST" "${WHEELS[@]}"
+python3 -m pip download --quiet "${PLATFORM[@]}" -d "$DEST" "${WHEELS[@]}"
 
 count=$(find "$DEST" -type f -name "*.whl" | wc -l)
 bytes=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
@@ -41,3 +57,4 @@ if [ "$bytes" -gt $((LIMIT_MIB * 1048576)) ]; then
   echo "error: over $LIMIT_MIB MiB: too much to carry to the device machine" >&2
   exit 1
 fi
+echo "{\"bench\": \"gpu_wheels\", \"checked\": false, \"wheels\": $count, \"mib\": $((bytes / 1048576))}"

@@ -43,6 +43,10 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench.processes import ending_children  # noqa: E402
+
 FRAME_SECONDS = 0.08
 CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 GROUPS = ("codec", "framing", "engine", "rest")
@@ -525,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and not Path(args.py_spy).is_file():
         parser.error(f"py-spy not found at {args.py_spy} (pip install py-spy, or --no-profile)")
 
-    with contextlib.ExitStack() as stack:
+    with ending_children(), contextlib.ExitStack() as stack:
         if args.keep:
             tmp = Path(args.keep)
             tmp.mkdir(parents=True, exist_ok=True)

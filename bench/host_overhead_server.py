@@ -73,11 +73,12 @@ class StandIn:
         self.tokens = [
             torch.from_numpy(np.concatenate([text[v][:, None], codes[v]], axis=1)).long() for v in range(VARIANTS)
         ]
+        self.pause = torch.zeros(max_rows, 0)  # the demo model has no pause heads
         self.step_seconds = step_seconds
         # steps, frames in, frames out: read by the bench from this file without going through the event loop
         # (which answers /metrics late, or not at all, once it has fallen behind).
         path = os.environ.get(COUNTERS_ENV)
-        self.counters = np.memmap(path, np.int64, "w+", shape=(3,)) if path else np.zeros(3, np.int64)
+        self.counters: np.ndarray = np.memmap(path, np.int64, "w+", shape=(3,)) if path else np.zeros(3, np.int64)
         self.started: set[int] = set()  # slots that have had their first (invalid) frame since their reset
         self.steps = 0
         self.named = False
@@ -98,7 +99,7 @@ class StandIn:
         if not all(valid):
             speech = speech.clone()
             speech[[i for i, v in enumerate(valid) if not v]] = 0.0
-        return FrameOutput(speech, self.tokens[variant][:batch], valid)
+        return FrameOutput(speech, self.tokens[variant][:batch], valid, self.pause[:batch])
 
 
 def install(max_rows: int, step_seconds: float) -> StandIn:
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from duplexd.commands.cli import main as duplexd_main
     from duplexd.server.codec import batches as codec_batches
 
-    codec_batches.ThreadPoolExecutor = functools.partial(  # type: ignore[misc]
+    codec_batches.ThreadPoolExecutor = functools.partial(  # type: ignore[misc,assignment]
         ThreadPoolExecutor, initializer=name_thread, initargs=(CODEC_THREAD,)
     )
 

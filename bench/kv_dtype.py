@@ -28,8 +28,10 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,7 +39,7 @@ import torch  # noqa: E402
 
 from bench.common import add_kv_dtype, cuda_missing, relative_error, sharpened  # noqa: E402
 from bench.gpu_capacity import OK, measure  # noqa: E402
-from duplexd.commands.capacity import PRESET_MIMI, capacity, parse_size
+from duplexd.commands.capacity import PRESET_MIMI, capacity, parse_size  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig, sessions_that_fit  # noqa: E402
 from duplexd.engine.kv.paged import PagedKVCache, window_pages  # noqa: E402
 from duplexd.engine.models.config import PRESETS  # noqa: E402
@@ -70,7 +72,8 @@ def write_check(device: str, rows: int = 128, heads: int = 32, dim: int = 128) -
     offset = torch.arange(rows, device=device) % PAGE
     for kv, codes in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
         pools = []
-        for store in (store_quantized_triton, store_quantized_reference):
+        stores: tuple[Callable[..., None], ...] = (store_quantized_triton, store_quantized_reference)
+        for store in stores:
             pages = [torch.zeros(rows, PAGE, heads, dim, dtype=codes, device=device) for _ in range(2)]
             scales = [torch.zeros(rows, PAGE, heads, device=device) for _ in range(2)]
             store(k, v, *pages, *scales, page, offset)
@@ -88,7 +91,8 @@ class _Recorded:
     attention error)."""
 
     def __init__(self, pool: PagedKVCache) -> None:
-        self.pool, self.outputs = pool, {}
+        self.pool = pool
+        self.outputs: dict[int, torch.Tensor] = {}
         attend = pool.attend_rotary
 
         def recording(layer, view, q, k, v, cos, sin):
@@ -133,7 +137,7 @@ def agreement(lm: LMModel, kv_dtype: str, frames: int, rows: int, seed: int = 0)
     per_frame = {name: torch.stack(values).cpu() for name, values in (("kl", kl), ("top1", top1), ("logit", logit_err))}
     attn = torch.stack(attn_err).cpu()
     late = slice(min(cfg.context, frames - 1), frames)  # past the window
-    result = {
+    result: dict[str, Any] = {
         "frames": frames,
         "rows": rows,
         "kl_mean": float(per_frame["kl"].mean()),

@@ -20,20 +20,21 @@ from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 from bench.common import MID_LM, median_ms, parse_args, side_by_side, through_checkpoint  # noqa: E402
 from duplexd.engine.dialogue.lm_gen import LMGen  # noqa: E402
 from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
+from duplexd.engine.models.config import DEMO  # noqa: E402
 from duplexd.engine.weights.checkpoint import load_lm  # noqa: E402
 from tests.ref_models import reference_lm  # noqa: E402
 
-CONFIG = MID_LM
 # The reference LMGen defaults, used on both sides.
 PARAMS = SamplingParams(text_temperature=0.7, text_topk=25, audio_temperature=0.8, audio_topk=250)
 
 
 @torch.no_grad()
 def run(batch: int, ref_lm, model, frames: int, warmup: int, kv_dtype: str) -> tuple[float, float]:
+    config = model.cfg
     codes = torch.randint(
         0,
-        CONFIG.card,
-        (frames + warmup, batch, CONFIG.num_user_codebooks),
+        config.card,
+        (frames + warmup, batch, config.num_user_codebooks),
         generator=torch.Generator().manual_seed(batch),
     )
     ref = RefLMGen(
@@ -54,10 +55,11 @@ def run(batch: int, ref_lm, model, frames: int, warmup: int, kv_dtype: str) -> t
 
 
 def main() -> None:
-    args = parse_args(__doc__, kv_dtype=True)
+    args = parse_args(__doc__, kv_dtype=True, small=True)
+    config = DEMO if args.small else MID_LM
 
-    ref_lm = reference_lm(CONFIG, seed=0)
-    model = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, CONFIG))
+    ref_lm = reference_lm(config, seed=0)
+    model = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, config))
 
     result: dict[str, object] = {"bench": "lm_step", "kv_dtype": args.kv_dtype}
     print(
@@ -65,8 +67,8 @@ def main() -> None:
         f"{args.warmup} warm-up"
     )
     print(
-        f"config: dim {CONFIG.dim} x {CONFIG.num_layers} layers, depformer {CONFIG.depformer_dim} x "
-        f"{CONFIG.depformer_num_layers}, text_card {CONFIG.text_card}, context {CONFIG.context}"
+        f"config: dim {config.dim} x {config.num_layers} layers, depformer {config.depformer_dim} x "
+        f"{config.depformer_num_layers}, text_card {config.text_card}, context {config.context}"
     )
     side_by_side(lambda batch: run(batch, ref_lm, model, args.frames, args.warmup, args.kv_dtype), result)
     print(json.dumps(result))

@@ -128,9 +128,9 @@ Parts = dict[str, float]
 def reference_latency(processor: AudioProcessor, model: Any, wave: np.ndarray, new_tokens: int) -> tuple[Parts, list]:
     """Processor + `generate` on the whole utterance: (seconds per part, new token ids)."""
     content = [{"type": "audio", "audio": wave}, {"type": "text", "text": DEFAULT_PROMPT}]
-    messages = [{"role": "user", "content": content}]
+    messages: Any = [{"role": "user", "content": content}]  # transformers' annotation allows text content only
     t0 = time.perf_counter()
-    inputs = processor.apply_chat_template(
+    inputs: Any = processor.apply_chat_template(
         messages, tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt"
     )
     t1 = time.perf_counter()

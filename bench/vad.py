@@ -66,7 +66,7 @@ def _duplexd(frames: np.ndarray, model: torch.jit.ScriptModule) -> int:
 def _reference(frames: np.ndarray, models: list[torch.jit.ScriptModule]) -> int:
     iterators = [VADIterator(model, sampling_rate=VAD_RATE) for model in models]
     resamplers = [soxr.ResampleStream(SAMPLE_RATE, VAD_RATE, 1, dtype="float32") for _ in models]
-    pending = [np.zeros(0, np.float32) for _ in models]
+    pending: list[np.ndarray] = [np.zeros(0, np.float32) for _ in models]
     events = 0
     for i in range(frames.shape[1]):
         for s, (iterator, resampler) in enumerate(zip(iterators, resamplers, strict=True)):

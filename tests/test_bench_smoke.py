@@ -1,0 +1,278 @@
+"""Every bench in bench/ runs, at its smallest size: it exits 0, its last line is one JSON object holding its
+headline keys, and no process it started outlives it. No figure is bounded: this checks that a bench runs (so a
+change elsewhere cannot quietly break one), not how fast.
+
+The GPU benches run through bench/gpu_suite.sh's CPU dry run (GPU_SUITE_DRY=1, tiny stages), which also checks the
+suite's own plumbing and bench/gpu_summary.py on what the stages wrote. Each bench runs in a session of its own;
+whatever is left in that session when it exits fails its test (and is killed). The runs start together, two at a
+time, when the first test asks for them, and each test waits for its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from bench.processes import in_session, stop
+from duplexd.server.codec import libopus
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+LIBRARIES = {"common.py", "processes.py"}  # imported by the benches, not run
+STARTED_BY = {"host_overhead_server.py": "host_overhead.py"}  # run only as another bench's child
+
+
+@dataclass(frozen=True)
+class Smoke:
+    args: tuple[str, ...]
+    keys: tuple[str, ...]  # the headline keys the last line's JSON object holds
+    env: dict[str, str] = field(default_factory=dict)
+    check: Callable[[dict, str, Path], None] | None = None  # more than "it ran": (last JSON, stdout, scratch dir)
+    timeout: float = 240
+
+
+def codec_figures(result: dict, out: str, tmp: Path) -> None:
+    assert result["streams"] == 8 and result["ticks"] == 10 and result["backend"].endswith("(ctypes)")
+    for name in ("fast", "kyutai", "sphn"):
+        assert result[f"{name}_lsd_db"] > 0 and result[f"{name}_snr_db"] > 5, name
+    assert result["kyutai_snr_db"] == result["sphn_snr_db"]  # the same bytes, so the same audio
+    assert "CPU ms per stream-second" in out
+
+
+def prefill_forwards(result: dict, out: str, tmp: Path) -> None:
+    """The prefill engine really ran the prompt in fewer forwards than the frame-by-frame engine (one a frame)."""
+    lines = out.strip().splitlines()
+    assert json.loads(next(line for line in lines if line.startswith('{"bench"')))["partial"] is True
+    assert "partial" not in result
+    live = result["live_sessions"]
+    assert live == 2
+    forwards = result["prompt_frames"] - 1  # the first prompt frame has no forward
+    assert result["frame_by_frame_forwards"] == forwards == result[f"forwards_live{live}_frame_by_frame"]
+    assert result["prefill_forwards"] == 1  # no live session: the whole prompt in one forward
+    assert 1 <= result[f"forwards_live{live}_prefill"] <= forwards  # the chunk size comes from the warm-up's timing
+    for mode in ("prefill", "frame_by_frame"):
+        assert result[f"outputs_live{live}_{mode}"] > 0 and result[f"late_frames_live{live}_{mode}"] >= 0
+    assert "| prefill |" in out and "| frame-by-frame |" in out
+
+
+def transcribe_tokens(result: dict, out: str, tmp: Path) -> None:
+    assert result["tokens_match"] is True and result["audio_tower"] == "64x2"
+    for key in ("0.5s", "1.03s"):  # 1.03 s: the last chunk is partial, so `finish` encodes a padded tail
+        assert set(result[f"duplexd_ms_{key}"]) == {"last_feed", "finish", "total"}
+        assert set(result[f"reference_ms_{key}"]) == {"processor", "generate", "total"}
+    assert result["stream"]["sessions"] == 2
+
+
+def suite_stages(result: dict, out: str, tmp: Path) -> None:
+    """Every stage ran and wrote what gpu_summary.py reads; the summary has each stage's section."""
+    assert set(result["stages"]) == {
+        "install",
+        "gpu_kernels",
+        "gpu_capacity",
+        "prompt_prefill",
+        "loadtest",
+        "serve",
+        "kv_dtype",
+        "weights_dtype",
+        "stt_capacity",
+    }
+    assert set(result["stages"].values()) == {"ok"}, result["stages"]
+    run = tmp / "suite"
+    heads = {
+        "gpu_kernels.log": ("bench", "skipped"),
+        "gpu_capacity.json": ("realtime_sessions", "kv_sessions", "batch1_p99_ms"),
+        "prompt_prefill.log": ("ttfo_prefill_ms", "ttfo_frame_by_frame_ms", "ratio_prefill", "reference_ttfo_ms"),
+        "kv_dtype.json": ("capacity", "agreement", "steps"),
+        "weights_dtype.json": ("steps", "agreement", "ok"),
+        "stt/gpu_capacity.json": ("realtime_sessions", "kv_sessions"),
+        "loadtest.json": ("overall",),
+    }
+    for name, keys in heads.items():
+        text = (run / name).read_text()
+        data = json.loads(text) if name.endswith(".json") else json.loads(text.strip().splitlines()[-1])
+        assert set(keys) <= set(data), (name, sorted(data))
+    prefill = (run / "prompt_prefill.log").read_text()
+    prefill_forwards(json.loads(prefill.strip().splitlines()[-1]), prefill, run)
+    summary = (run / "summary.md").read_text()
+    for section in ("## Capacity", "## Persona prompt prefill", "## Load test", "## 8-bit KV", "## 8-bit weights"):
+        assert section in summary, section
+    assert "| int8 / bf16 |" in summary  # weights_dtype.json's step table, read
+
+
+TINY_SUITE = {
+    "GPU_SUITE_DRY": "1",
+    "PYTHON": sys.executable,
+    "LOAD_SECONDS": "2",
+    "CAPACITY_ARGS": "--preset demo --device cpu --batches 1 --steps 3 --max-sessions 1 --granularity 1 "
+    "--budget-ms 1e6 --timeout 60",
+    "PREFILL_ARGS": "--preset demo --device cpu --quick --threads 1",
+    "KV_ARGS": "--preset demo --device cpu --frames 20 --rows 2 --batches 1 --steps 2",
+    "W8_ARGS": "--preset demo --device cpu --stages kernel steps agreement --frames 10 --rows 2 --batches 1 "
+    "--steps 2 --repeats 2",
+    "STT_ARGS": "--preset demo-stt --device cpu --batches 1 --steps 3 --max-sessions 1 --granularity 1 "
+    "--budget-ms 1e6 --position 31",
+}
+SUITE = Smoke((), ("bench", "stages", "realtime_sessions", "stt_streams"), TINY_SUITE, suite_stages, timeout=400)
+ONE = ("--threads", "1")
+SMOKE: dict[str, Smoke] = {
+    "codec.py": Smoke(
+        ("--quick",), ("thread_scaling_2", "process_scaling_2", "fast_encode_vs_sphn"), {}, codec_figures
+    ),
+    "decode_attention_cpu.py": Smoke(("--reps", "1", *ONE), ("ratio_b1_h8_d64", "ratio_b8_h8_d64")),
+    "engine_throughput.py": Smoke(
+        ("--frames", "2", "--warmup", "1", "--sessions", "2", *ONE), ("duplexd_fps_b2", "reference_fps", "ratio_b2")
+    ),
+    "gemma4_audio.py": Smoke(
+        ("--seconds", "1", "--batch", "1", "--iters", "1", "--stream-steps", "2", "--slots", "2", "--hidden", "64")
+        + ("--layers", "2", *ONE),
+        ("whole", "stream", "batch"),
+    ),
+    "host_overhead.py": Smoke(
+        ("--no-profile", "--protocols", "kyutai", "--sessions", "1", "--duration", "3.5", "--window", "1")
+        + ("--settle", "0.5", "--ramp", "0.2"),
+        ("cpu_ms_per_session_s_kyutai_1", "served_frac_kyutai_1"),
+    ),
+    "lm_step.py": Smoke(("--small", "--frames", "1", "--warmup", "1", *ONE), ("ratio_b1", "ratio_b4")),
+    "matvec_layout.py": Smoke(("--mbytes", "1", *ONE), ("cpu_matmul_speedup_3072x1024_b1", "x@w_speedup_3072x1024_b1")),
+    "mimi_step.py": Smoke(("--frames", "1", "--warmup", "1", *ONE), ("ratio_b1", "ratio_b4", "demo_ms_8_slots")),
+    "stt_streams.py": Smoke(("--frames", "2", "--warmup", "1", "--sessions", "2", *ONE), ("duplexd_fps_b2",)),
+    "transcribe_latency.py": Smoke(
+        ("--audio-hidden", "64", "--audio-layers", "2", "--text-hidden", "64", "--text-layers", "2")
+        + ("--new-tokens", "4", "--iters", "1", *ONE, "--seconds", "0.5", "1.03")
+        + ("--stream-sessions", "2", "--stream-steps", "2"),
+        ("ratio_0.5s", "ratio_1.03s", "stream"),
+        {},
+        transcribe_tokens,
+    ),
+    "vad.py": Smoke(("--sessions", "2", "--seconds", "1", "--repeats", "1"), ("ratio_2",)),
+    "gpu_suite.sh": SUITE,
+    "gpu_wheels.sh": Smoke((), ("wheels", "expected"), {"WHEEL_CHECK": "1"}),
+}
+VIA_SUITE = {  # run by the dry suite, where suite_stages checks what each wrote
+    "gpu_kernels.py",
+    "gpu_capacity.py",
+    "prompt_prefill.py",
+    "kv_dtype.py",
+    "weights_dtype.py",
+    "gpu_summary.py",
+}
+
+
+@dataclass
+class Ran:
+    rc: int
+    out: str
+    err: str
+    left: list[int]  # processes of its session still alive when it exited
+    tmp: Path
+
+
+def run(name: str, smoke: Smoke, tmp: Path) -> Ran:
+    command = ["bash"] if name.endswith(".sh") else [sys.executable]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(tmp / "suite")}
+    proc = subprocess.Popen(
+        [*command, str(BENCH / name), *smoke.args],
+        cwd=ROOT,
+        env={**env, **smoke.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=smoke.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    left = in_session(proc.pid)
+    stop(left, 2.0)
+    return Ran(proc.returncode, out, err, left, tmp)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> Iterator[dict[str, Future[Ran]]]:
+    """The smoke runs this session's selected tests need, started together, two at a time."""
+    wanted = {
+        item.callspec.params.get("name", "host_overhead.py")
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    pool = ThreadPoolExecutor(2)
+    yield {name: pool.submit(run, name, SMOKE[name], tmp_path_factory.mktemp(name)) for name in SMOKE if name in wanted}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_every_bench_has_a_smoke_run():
+    scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py"}
+    covered = set(SMOKE) | VIA_SUITE | LIBRARIES | set(STARTED_BY)
+    assert scripts == covered, f"no smoke run: {sorted(scripts - covered)}; gone: {sorted(covered - scripts)}"
+    assert set(STARTED_BY.values()) <= set(SMOKE) and "gpu_suite.sh" in SMOKE
+    assert all(f"bench/{name}" in (BENCH / "gpu_suite.sh").read_text() for name in VIA_SUITE)
+
+
+@pytest.mark.parametrize("name", SMOKE)
+def test_bench_runs(name, runs):
+    if name == "codec.py" and libopus.load() is None:
+        pytest.skip("needs libopus (apt-get install libopus0)")
+    ran = runs[name].result()
+    tail = f"\n--- stdout ---\n{ran.out[-3000:]}\n--- stderr ---\n{ran.err[-3000:]}"
+    assert ran.rc == 0, tail
+    last = json.loads(ran.out.strip().splitlines()[-1])
+    bench = name.removesuffix(".py").removesuffix(".sh")
+    assert last.get("bench") == bench, tail
+    assert not last.get("skipped"), last
+    missing = [key for key in SMOKE[name].keys if key not in last]
+    assert not missing, f"{missing} not in {sorted(last)}"
+    assert not ran.left, f"{name} left processes behind: {ran.left}"
+    if SMOKE[name].check is not None:
+        SMOKE[name].check(last, ran.out, ran.tmp)
+
+
+def wait_for_child(pid: int, marker: str, timeout: float = 120) -> None:
+    """Until a process below `pid` whose command line holds `marker` is running."""
+    from bench.processes import descendants
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in descendants(pid):
+            try:
+                if marker in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+                    return
+            except OSError:
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"no {marker} below {pid}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_bench_takes_its_server_with_it(sig, runs):
+    """host_overhead.py stopped while its server runs: the server (and whatever it started) ends with it."""
+    runs["host_overhead.py"].result()  # one server at a time on two cores
+    args = ["--no-profile", "--protocols", "kyutai", "--sessions", "1", "--duration", "60", "--window", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "host_overhead.py"), *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_child(proc.pid, "host_overhead_server.py")
+        os.kill(proc.pid, sig)
+        proc.wait(60)
+    finally:
+        left = in_session(proc.pid)
+        stop(left, 2.0)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"left behind after {sig.name}: {left}"
