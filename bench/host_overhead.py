@@ -45,7 +45,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench.processes import ending_children  # noqa: E402
+from bench.processes import descendants, ending_children  # noqa: E402
 
 FRAME_SECONDS = 0.08
 CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -69,18 +69,6 @@ def thread_group(comm: str) -> str:
     return comm if comm in THREADS[:3] else "other"
 
 
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (the server's codec workers with `--codec-processes`)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                text = (entry / "stat").read_text()
-                if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
-                    out.append(int(entry.name))
-    return out
-
-
 def cpu_snapshot(pid: int) -> dict[str, float]:
     """CPU seconds of the process (`total`, dead threads included) and of each thread group; its child processes
     (codec workers) count in `total` and as codec."""
@@ -90,7 +78,7 @@ def cpu_snapshot(pid: int) -> dict[str, float]:
         with contextlib.suppress(OSError, ValueError):
             comm, seconds = parse_stat((task / "stat").read_text())
             out[thread_group(comm)] += seconds
-    for child in child_pids(pid):
+    for child in descendants(pid):  # the server's codec workers, with `--codec-processes`
         with contextlib.suppress(OSError, ValueError):
             seconds = parse_stat(Path(f"/proc/{child}/stat").read_text())[1]
             out["total"] += seconds
