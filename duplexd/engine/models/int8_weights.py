@@ -35,6 +35,16 @@ QMAX = 127.0
 _PROJECTIONS = re.compile(r"(layers|dep_layers)\.\d+\.(wqkv|wo|w_in|w_out)|dep_in|dep_heads")
 TEXT_HEAD = "text_head"
 
+# Every LMModel weight by part, as `weight_dtypes` (and `duplexd capacity`) names them.
+_PARTS = {
+    "projections": re.compile(r"(layers|dep_layers)\.\d+\.(wqkv|wo|w_in|w_out)|dep_in"),
+    "audio_heads": re.compile(r"dep_heads"),
+    "text_head": re.compile(TEXT_HEAD),
+    "extra_heads": re.compile(r"extra_heads"),
+    "embeddings": re.compile(r"(dep_)?(text|audio)_emb"),
+    "norms": re.compile(r"(.+\.)?\w*norm"),
+}
+
 
 class Int8Slice(NamedTuple):
     """One weight set of a stacked `Int8Weight` (a DepFormer step): views, no copy."""
@@ -107,6 +117,21 @@ def projection(model: nn.Module) -> Projection:
     """What `model`'s projections run, decided once per weight layout rather than per call: the float matmul
     itself when no weight is int8 (the float path pays no type check per projection and step), else `project`."""
     return project if int8_names(model) else cast(Projection, matmul)
+
+
+def weight_dtypes(model: nn.Module) -> dict[str, str]:
+    """The format each part of an LM's weights is held in, "int8" (codes with fp32 row scales) or the float dtype:
+    what `--weights-dtype int8` changes and what it leaves (embeddings, norms, the text head). Parts the model
+    lacks (STT's extra heads, a text-only model's DepFormer) are left out."""
+    held = [(name, "int8") for name in int8_names(model)]
+    held += [(name, str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters() if p.numel()]
+    found: dict[str, set[str]] = {}
+    for name, dtype in held:
+        part = next((part for part, rule in _PARTS.items() if rule.fullmatch(name)), None)
+        if part is None:
+            raise ValueError(f"{name}: in no part of the LM's weights")
+        found.setdefault(part, set()).add(dtype)
+    return {part: "+".join(sorted(found[part])) for part in _PARTS if part in found}
 
 
 def quantizable(names: Iterable[str], text_head: bool = True) -> list[str]:
