@@ -1,7 +1,8 @@
 """`duplexd capacity` and the pool sizing it shares with the engine: the answer matches what a CPU engine actually
 allocates, the pool's bytes are sessions x the per-window bytes, the issue's H200 figure, `--kv-dtype` reaching
 the engine (and fp8 refused on a GPU below compute capability 8.9), `--weights-dtype int8` (a 24 GB card's dozen
-sessions, the int8 weight bytes counted from the config), and bad input as one line, exit 2."""
+sessions, the int8 weight bytes counted from the config, which parts are int8 as the served model holds them), and
+bad input as one line, exit 2."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from duplexd.engine.devices import check_kv_dtype
 from duplexd.engine.dialogue.engine import CUDA_HEADROOM, Engine, EngineConfig
 from duplexd.engine.errors import DeviceError
 from duplexd.engine.models.config import DEMO, DEMO_MIMI, MOSHI_7B, ConfigError, LMConfig
+from duplexd.engine.models.int8_weights import Int8Weight, weight_dtypes
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
-from duplexd.engine.weights.checkpoint import quantize_lm_
+from duplexd.engine.weights.checkpoint import build_lm, int8_plan, quantize_lm_
 from duplexd.engine.weights.demo import random_lm
 from duplexd.server.core.settings import ServerSettings
 
@@ -76,7 +78,15 @@ def test_int8_weights_fit_a_dozen_full_windows_on_a_24_gb_card(capsys):
     int8 = _capacity_json(capsys, *args, "--weights-dtype", "int8")
     bf16 = _capacity_json(capsys, *args, "--weights-dtype", "bf16")
     assert int8["sessions"] >= 12 and bf16["sessions"] < int8["sessions"]
-    assert (int8["weight_dtype"], bf16["weight_dtype"]) == ("int8", "bfloat16")
+    parts = ("projections", "audio_heads", "text_head", "embeddings", "norms")
+    assert bf16["lm_weight_dtypes"] == dict.fromkeys(parts, "bfloat16")
+    assert int8["lm_weight_dtypes"] == {
+        "projections": "int8",
+        "audio_heads": "int8",
+        "text_head": "bfloat16",
+        "embeddings": "bfloat16",
+        "norms": "bfloat16",
+    }
     assert int8["lm_weights"] == lm_weight_bytes(MOSHI_7B, 2, "int8")
     assert bf16["lm_weights"] == lm_weight_bytes(MOSHI_7B, 2, "bf16")
     assert 0.45 < int8["lm_weights"] / bf16["lm_weights"] < 0.55
@@ -84,6 +94,35 @@ def test_int8_weights_fit_a_dozen_full_windows_on_a_24_gb_card(capsys):
     assert int8["free_for_engine"] - bf16["free_for_engine"] == bf16["lm_weights"] - int8["lm_weights"]
     gib_22 = _capacity_json(capsys, "--gpu-memory", "22GiB", "--kv-dtype", "int8", "--weights-dtype", "int8")
     assert gib_22["sessions"] >= 11
+
+
+def test_the_int8_parts_are_named_in_both_outputs(capsys):
+    """The human lines say which parts are int8 and which stay in the float dtype; an STT model has no audio heads
+    but extra heads, which stay float; a q8 file's int8 text head is named int8; a weight in no part is refused."""
+    assert main(["capacity", "--model", "moshi-7b", "--gpu-memory", "139GiB", "--weights-dtype", "int8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "LM 7.59 GiB (int8: projections, audio heads; bfloat16: text head, embeddings, norms)" in lines[1]
+    assert main(["capacity", "--model", "moshi-7b", "--gpu-memory", "139GiB"]) == 0
+    assert "LM 14.32 GiB (bfloat16), Mimi" in capsys.readouterr().out.splitlines()[1]
+    stt = _capacity_json(capsys, "--model", "stt-1b", "--gpu-memory", "139GiB", "--weights-dtype", "int8")
+    assert stt["lm_weight_dtypes"] == {
+        "projections": "int8",
+        "text_head": "bfloat16",
+        "extra_heads": "bfloat16",
+        "embeddings": "bfloat16",
+        "norms": "bfloat16",
+    }
+    q8 = build_lm(DEMO, "meta", int8=int8_plan(DEMO, set(), "int8", text_head=True))
+    assert weight_dtypes(q8) == {
+        "projections": "int8",
+        "audio_heads": "int8",
+        "text_head": "int8",
+        "embeddings": "float32",
+        "norms": "float32",
+    }
+    q8.register_parameter("stray", torch.nn.Parameter(torch.zeros(1, device="meta")))
+    with pytest.raises(ValueError, match="stray: in no part"):
+        weight_dtypes(q8)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +144,12 @@ def test_capacity_agrees_with_what_a_cpu_engine_allocates(kv_dtype, weights_dtyp
         int(0.4 * GiB) + CUDA_CONTEXT + CUDA_HEADROOM,
         weights_dtype=weights_dtype,
     )
-    assert got.weight_dtype == {"bf16": "float32", "int8": "int8"}[weights_dtype]
+    int8_parts = {part for part, dtype in got.lm_weight_dtypes.items() if dtype == "int8"}
+    assert int8_parts == ({"projections", "audio_heads"} if weights_dtype == "int8" else set())
+    assert set(got.lm_weight_dtypes.values()) - {"int8"} == {"float32"}
+    # as the served model holds them: every temporal and DepFormer projection and audio head int8, nothing else
+    assert isinstance(lm.layers[0].w_out, Int8Weight) == isinstance(lm.dep_heads, Int8Weight) == bool(int8_parts)
+    assert isinstance(lm.text_head, torch.Tensor) and lm.text_head.dtype == torch.float32
     assert 1 < got.sessions < 1000
     engine = Engine(lm, mimi, config=EngineConfig(max_sessions=got.sessions, kv_dtype=kv_dtype))
     kv = engine.kv

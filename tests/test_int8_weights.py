@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 from duplexd.engine.dialogue.lm_gen import LMGen
 from duplexd.engine.errors import CheckpointError
 from duplexd.engine.models.config import LMConfig
-from duplexd.engine.models.int8_weights import Int8Weight, int8_names, quantize_rows
+from duplexd.engine.models.int8_weights import Int8Weight, int8_names, project, quantize_rows
 from duplexd.engine.weights.checkpoint import build_lm, load_lm, quantize_lm_, save_lm_weights, stored_int8
+from duplexd.kernels.cpu_matmul import matmul
 
 from .ref_models import fused_state_dict, quantized_reference, reference_lm
 from .test_lm_parity import GREEDY, SMALL, TOL, ReferenceRun, _compare
@@ -151,6 +152,20 @@ def test_build_and_move_keep_the_scales_fp32():
     assert (w.codes.dtype, w.absmax.dtype, w.scale.dtype) == (torch.int8, torch.float32, torch.float32)
     assert model.text_head.dtype == torch.float16 and tuple(w.codes.shape) == (3 * CFG.dim, CFG.dim)
     assert tuple(model.dep_heads.codes.shape) == (CFG.dep_q, CFG.card, CFG.depformer_dim)
+
+
+def test_the_projection_path_follows_the_weights_as_loaded(files):
+    """A float model's projections are the float matmul itself (no per-call type check), chosen when its weights
+    are laid out; any int8 weight, however it came (a q8 file, quantize-at-load, quantizing a float model), makes
+    them `project`; a q8 file dequantized at load is float again."""
+    float_file, q8_file = files["float", "fused"], files["q8", "fused"]
+    assert build_lm(CFG).project is matmul
+    assert load_lm(float_file, CFG).project is matmul
+    assert load_lm(q8_file, CFG, weights_dtype="bf16").project is matmul
+    assert load_lm(q8_file, CFG).project is project
+    assert load_lm(float_file, CFG, weights_dtype="int8").project is project
+    assert build_lm(CFG, int8={"dep_heads"}).project is project
+    assert quantize_lm_(load_lm(float_file, CFG), "int8").project is project
 
 
 def test_sessions_on_int8_weights_match_the_reference_on_the_dequantized_weights(models, files):

@@ -32,7 +32,7 @@ from duplexd.engine.dialogue.engine import (
 from duplexd.engine.errors import InputRefused
 from duplexd.engine.kv.dtypes import KV_DTYPES
 from duplexd.engine.models.config import MIMI_PRESETS, PRESET_MIMI, PRESETS, LMConfig
-from duplexd.engine.models.int8_weights import WEIGHT_DTYPES
+from duplexd.engine.models.int8_weights import WEIGHT_DTYPES, weight_dtypes
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
 from duplexd.engine.weights.checkpoint import build_lm, int8_plan, read_lm_config
 
@@ -66,7 +66,7 @@ class Capacity:
     sessions: int
     model: str
     kv_dtype: str
-    weight_dtype: str
+    lm_weight_dtypes: dict[str, str]  # part -> "int8" or the float dtype (`int8_weights.weight_dtypes`)
     window_frames: int
     page_size: int
     memory: int  # the device's memory (given, or the live device's total)
@@ -86,14 +86,25 @@ class Capacity:
         more = "at least " if self.at_limit else ""
         return [
             f"{self.model}: {more}{self.sessions} sessions of {self.window_frames} frames fit with --kv-dtype "
-            f"{self.kv_dtype} ({self.weight_dtype} weights) in {self.memory / GiB:.1f} GiB",
-            f"  weights: LM {self.lm_weights / GiB:.2f} GiB, Mimi {self.mimi_weights / GiB:.2f} GiB; CUDA context "
+            f"{self.kv_dtype} in {self.memory / GiB:.1f} GiB",
+            f"  weights: LM {self.lm_weights / GiB:.2f} GiB ({formats(self.lm_weight_dtypes)}), Mimi "
+            f"{self.mimi_weights / GiB:.2f} GiB; CUDA context "
             + (f"{self.cuda_context / GiB:.2f} GiB (estimate)" if self.cuda_context else "measured"),
             f"  kept free {self.headroom / GiB:.2f} GiB; Mimi streams {self.mimi_streams / GiB:.2f} GiB for "
             f"{self.sessions} slots",
             f"  KV: {self.kv_window / GiB:.3f} GiB per session ({self.kv_window // self.kv_page} pages of "
             f"{self.page_size} frames), pool {self.kv_pool / GiB:.2f} GiB ({self.kv_pages} pages + scratch)",
         ]
+
+
+def formats(dtypes: dict[str, str]) -> str:
+    """`int8: projections, audio heads; bfloat16: text head, embeddings, norms`, or one dtype alone."""
+    parts: dict[str, list[str]] = {}
+    for part, dtype in dtypes.items():
+        parts.setdefault(dtype, []).append(part.replace("_", " "))
+    if len(parts) == 1:
+        return next(iter(parts))
+    return "; ".join(f"{dtype}: {', '.join(names)}" for dtype, names in parts.items())
 
 
 def lm_config(args: argparse.Namespace) -> tuple[str, LMConfig, str]:
@@ -144,7 +155,7 @@ def capacity(
         sessions=sessions,
         model=name,
         kv_dtype=kv_dtype,
-        weight_dtype="int8" if weights_dtype == "int8" else str(dtype).removeprefix("torch."),
+        lm_weight_dtypes=weight_dtypes(lm),
         window_frames=min(window or cfg.context, cfg.context),
         page_size=page_size,
         memory=memory,

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from torch import nn
 
 from duplexd.kernels.cpu_matmul import matmul
 from duplexd.kernels.w8a16_matmul import int8_matmul
+
+if TYPE_CHECKING:
+    from .lm import LMModel
 
 WEIGHT_DTYPES = ("bf16", "int8")  # bf16: the model's float dtype (fp32 on CPU), as `--kv-dtype bf16` is
 QMAX = 127.0
@@ -31,6 +34,16 @@ QMAX = 127.0
 # Kyutai's q8 files.
 _PROJECTIONS = re.compile(r"(layers|dep_layers)\.\d+\.(wqkv|wo|w_in|w_out)|dep_in|dep_heads")
 TEXT_HEAD = "text_head"
+
+# Every LMModel weight by part, as `weight_dtypes` (and `duplexd capacity`) names them.
+_PARTS = {
+    "projections": re.compile(r"(layers|dep_layers)\.\d+\.(wqkv|wo|w_in|w_out)|dep_in"),
+    "audio_heads": re.compile(r"dep_heads"),
+    "text_head": re.compile(TEXT_HEAD),
+    "extra_heads": re.compile(r"extra_heads"),
+    "embeddings": re.compile(r"(dep_)?(text|audio)_emb"),
+    "norms": re.compile(r"(.+\.)?\w*norm"),
+}
 
 
 class Int8Slice(NamedTuple):
@@ -90,6 +103,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 Weight = torch.Tensor | Int8Weight | Int8Slice
+Projection = Callable[[torch.Tensor, Weight], torch.Tensor]
 
 
 def project(x: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -97,6 +111,27 @@ def project(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return matmul(x, w)
     return int8_matmul(x, w.codes, w.scale)
+
+
+def projection(model: nn.Module) -> Projection:
+    """What `model`'s projections run, decided once per weight layout rather than per call: the float matmul
+    itself when no weight is int8 (the float path pays no type check per projection and step), else `project`."""
+    return project if int8_names(model) else cast(Projection, matmul)
+
+
+def weight_dtypes(model: nn.Module) -> dict[str, str]:
+    """The format each part of an LM's weights is held in, "int8" (codes with fp32 row scales) or the float dtype:
+    what `--weights-dtype int8` changes and what it leaves (embeddings, norms, the text head). Parts the model
+    lacks (STT's extra heads, a text-only model's DepFormer) are left out."""
+    held = [(name, "int8") for name in int8_names(model)]
+    held += [(name, str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters() if p.numel()]
+    found: dict[str, set[str]] = {}
+    for name, dtype in held:
+        part = next((part for part, rule in _PARTS.items() if rule.fullmatch(name)), None)
+        if part is None:
+            raise ValueError(f"{name}: in no part of the LM's weights")
+        found.setdefault(part, set()).add(dtype)
+    return {part: "+".join(sorted(found[part])) for part in _PARTS if part in found}
 
 
 def quantizable(names: Iterable[str], text_head: bool = True) -> list[str]:
@@ -114,18 +149,19 @@ def int8_names(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if isinstance(m, Int8Weight)}
 
 
-def int8_layout_(model: nn.Module, names: Iterable[str]) -> None:
+def int8_layout_(model: LMModel, names: Iterable[str]) -> None:
     """Replace the float parameters `names` (shape [*lead, in, out]) with uninitialised int8 weights on the same
-    device (works on `meta`)."""
+    device (works on `meta`); the model's `project` follows."""
     for name in names:
         owner, leaf = _owner(model, name)
         p = getattr(owner, leaf)
         *lead, inp, out = p.shape
         delattr(owner, leaf)
         setattr(owner, leaf, Int8Weight(tuple(lead), out, inp, device=p.device))
+    model.bind_projections()
 
 
-def quantize_(model: nn.Module, names: Iterable[str]) -> None:
+def quantize_(model: LMModel, names: Iterable[str]) -> None:
     """Quantize the float parameters `names` in place (on their device), by `quantize_rows`."""
     for name in names:
         owner, leaf = _owner(model, name)
@@ -138,11 +174,13 @@ def quantize_(model: nn.Module, names: Iterable[str]) -> None:
         w.set_from_absmax_()
 
 
-def dequantize_(model: nn.Module, names: Iterable[str], dtype: torch.dtype) -> None:
-    """Replace the int8 weights `names` with float parameters in `dtype` (a q8 file served with float weights)."""
+def dequantize_(model: LMModel, names: Iterable[str], dtype: torch.dtype) -> None:
+    """Replace the int8 weights `names` with float parameters in `dtype` (a q8 file served with float weights); the
+    model's `project` follows."""
     for name in names:
         owner, leaf = _owner(model, name)
         w = getattr(owner, leaf)
         assert isinstance(w, Int8Weight), name
         delattr(owner, leaf)
         owner.register_parameter(leaf, nn.Parameter(w.dequantized().to(dtype).contiguous(), requires_grad=False))
+    model.bind_projections()

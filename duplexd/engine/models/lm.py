@@ -5,7 +5,8 @@ DepFormer's per-step weights stacked along a leading step axis, all audio embedd
 is a handful of matmuls. Float projection weights are stored as [in, out] (`x @ w`): for the single-row matmuls of
 a decode step this is 1.3-1.7x faster on CPU BLAS than torch's [out, in] `F.linear`, and batches of rows go
 through `kernels.cpu_matmul` (see docs/BENCHMARKS.md). Any projection may instead be an int8 weight
-(`int8_weights.Int8Weight`, `--weights-dtype int8`); `project` runs either.
+(`int8_weights.Int8Weight`, `--weights-dtype int8`): `LMModel.project` is then `int8_weights.project`, which
+runs either kind, and otherwise the float matmul itself, chosen when the weights are laid out, not per call.
 `engine.checkpoint` maps the reference's key namings onto these parameters.
 
 The ops come from `duplexd.kernels` (Triton on CUDA, the torch references on CPU). Every residual add is fused
@@ -30,7 +31,7 @@ from duplexd.kernels.silu_gate import silu_gate
 
 from ..kv.paged import PagedBatch, PagedKVCache
 from .config import LMConfig
-from .int8_weights import Weight, project
+from .int8_weights import Projection, Weight, projection
 
 NORM_EPS = 1e-8
 
@@ -66,7 +67,7 @@ class DepformerLayer(nn.Module):
         self.w_out = _param(steps, hidden, dim)
 
 
-def gated_mlp(x: torch.Tensor, w_in: Weight, w_out: Weight) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, w_in: Weight, w_out: Weight, project: Projection) -> torch.Tensor:
     """`(silu(gate) * value) @ w_out`; the outputs of `w_in` are [gate | value] as in the reference."""
     return project(silu_gate(project(x, w_in)), w_out)
 
@@ -88,9 +89,12 @@ class DepformerOutput:
 
 
 class LMModel(nn.Module):
+    project: Projection  # every projection's matmul, for the weights as laid out (`bind_projections`)
+
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.bind_projections()
         # PersonaPlex's DepFormer steps past the agent's codebooks predict the user's, which are always replaced by
         # the user's codes: they are not built (`LMConfig.predicts_user_audio`).
         d, dd, q = cfg.dim, cfg.depformer_dim, cfg.agent_codebooks
@@ -110,6 +114,11 @@ class LMModel(nn.Module):
             DepformerLayer(q, dd, cfg.depformer_hidden) for _ in range(cfg.depformer_num_layers)
         )
         self.dep_heads = _param(q, dd, cfg.card)
+
+    def bind_projections(self) -> None:
+        """Choose `project` for the weights as they are now; `int8_weights.int8_layout_` and `dequantize_`, which
+        change a weight's kind, call it."""
+        self.project = projection(self)
 
     def new_kv_cache(self, num_slots: int, num_pages: int, page_size: int, kv_dtype: str = "bf16") -> PagedKVCache:
         cfg = self.cfg
@@ -149,7 +158,7 @@ class LMModel(nn.Module):
         """`forward_text` from the summed input embeddings x [B, dim]: a PersonaPlex voice preset stores its
         prompt's first frames as such sums, not as tokens."""
         h = self.temporal(x, positions, cache, view)
-        return h, project(h, self.text_head)
+        return h, self.project(h, self.text_head)
 
     def temporal(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch) -> torch.Tensor:
         """The temporal transformer over input embeddings x [B, dim], each row's key and value stored in the cache:
@@ -159,13 +168,14 @@ class LMModel(nn.Module):
         cos, sin = rope_angles(positions, dh, cfg.max_period)
         layers = cast(Sequence[TemporalLayer], self.layers)
         last = len(layers) - 1
+        project = self.project
         h = rms_norm(x, layers[0].attn_norm, NORM_EPS)
         for i, layer in enumerate(layers):
             qkv = project(h, layer.wqkv).view(-1, 3, heads, dh)
             attn = cache.attend_rotary(i, view, qkv[:, 0], qkv[:, 1], qkv[:, 2], cos, sin)
             h, x = add_rms_norm(project(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
             next_norm = layers[i + 1].attn_norm if i < last else self.out_norm
-            h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out), x, next_norm, NORM_EPS)
+            h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out, project), x, next_norm, NORM_EPS)
         return h
 
     def pause_probabilities(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -188,6 +198,7 @@ class LMModel(nn.Module):
         tokens, all_logits = [], []
         dep_layers = cast(Sequence[DepformerLayer], self.dep_layers)
         last = len(dep_layers) - 1
+        project = self.project
         for step in range(q):
             h, x = add_rms_norm(project(hidden, self.dep_in[step]), prev, dep_layers[0].attn_norm, NORM_EPS)
             for i, layer in enumerate(dep_layers):
@@ -195,7 +206,7 @@ class LMModel(nn.Module):
                 kv[i, :, :, :, step] = qkv[:, 1:].transpose(0, 1)
                 attn = attend(qkv[:, 0], kv[i, 0, :, :, : step + 1], kv[i, 1, :, :, : step + 1])
                 h, x = add_rms_norm(project(attn.flatten(1), layer.wo[step]), x, layer.mlp_norm, NORM_EPS)
-                update = gated_mlp(h, layer.w_in[step], layer.w_out[step])
+                update = gated_mlp(h, layer.w_in[step], layer.w_out[step], project)
                 if i < last:
                     h, x = add_rms_norm(update, x, dep_layers[i + 1].attn_norm, NORM_EPS)
                 else:
