@@ -167,7 +167,8 @@ SMOKE: dict[str, Smoke] = {
     ),
     "decode_attention_cpu.py": Smoke(("--reps", "1", *ONE), ("ratio_b1_h8_d64", "ratio_b8_h8_d64")),
     "engine_throughput.py": Smoke(
-        ("--frames", "2", "--warmup", "1", "--sessions", "2", *ONE), ("duplexd_fps_b2", "reference_fps", "ratio_b2")
+        ("--small", "--frames", "2", "--warmup", "1", "--sessions", "2", *ONE),
+        ("duplexd_fps_b2", "reference_fps", "ratio_b2"),
     ),
     "gemma4_audio.py": Smoke(
         ("--seconds", "1", "--batch", "1", "--iters", "1", "--stream-steps", "2", "--slots", "2", "--hidden", "64")
@@ -180,8 +181,12 @@ SMOKE: dict[str, Smoke] = {
         ("cpu_ms_per_session_s_kyutai_1", "served_frac_kyutai_1"),
     ),
     "lm_step.py": Smoke(("--small", "--frames", "1", "--warmup", "1", *ONE), ("ratio_b1", "ratio_b4")),
-    "matvec_layout.py": Smoke(("--mbytes", "1", *ONE), ("cpu_matmul_speedup_3072x1024_b1", "x@w_speedup_3072x1024_b1")),
-    "mimi_step.py": Smoke(("--frames", "1", "--warmup", "1", *ONE), ("ratio_b1", "ratio_b4", "demo_ms_8_slots")),
+    "matvec_layout.py": Smoke(
+        ("--mbytes", "1", "--repeats", "1", *ONE), ("cpu_matmul_speedup_3072x1024_b1", "x@w_speedup_3072x1024_b1")
+    ),
+    "mimi_step.py": Smoke(
+        ("--small", "--frames", "1", "--warmup", "1", *ONE), ("ratio_b1", "ratio_b4", "demo_ms_8_slots")
+    ),
     "stt_streams.py": Smoke(("--frames", "2", "--warmup", "1", "--sessions", "2", *ONE), ("duplexd_fps_b2",)),
     "transcribe_latency.py": Smoke(
         ("--audio-hidden", "64", "--audio-layers", "2", "--text-hidden", "64", "--text-layers", "2")
