@@ -14,7 +14,8 @@ bench measures that host cost alone:
 * CPU is divided by the session-seconds of audio the engine consumed in the window (frames in x 80 ms), so a
   server that falls behind is charged per second of audio it actually served; the wall-clock figure is printed
   beside it, and the server's own late-frame counter and the clients' send lateness say whether anyone fell
-  behind.
+  behind; the 1-minute load average as the window opens and closes (this bench's server and clients count in it)
+  says whether other work shared the machine.
 
 `.venv/bin/python bench/host_overhead.py` (≈ 6 min for 32, 64, 128 sessions x both protocols). The last line
 is one JSON object.
@@ -235,6 +236,7 @@ class Run:
     dropped_out: float = 0.0
     samples: dict[str, dict[str, int]] = field(default_factory=dict)
     clients: list[dict] = field(default_factory=list)
+    load: tuple[float, float] = (math.nan, math.nan)  # 1-minute load average as the window opens and closes
 
     @property
     def audio_session_s(self) -> float:
@@ -272,6 +274,7 @@ class Run:
             "client_late_frac": max((c["late_frac"] for c in self.clients), default=None),
             "client_errors": sum(c["errors"] + c["refused"] for c in self.clients),
             "client_send_late_p99_ms": round(max(lateness), 1) if lateness else None,
+            "load_avg": [round(x, 2) for x in self.load],
         }
 
 
@@ -434,9 +437,11 @@ def run_one(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+        load0 = os.getloadavg()[0]
         k0, c0, t0 = read_counters(counters), cpu_snapshot(server.pid), time.monotonic()
         time.sleep(args.window)
         k1, c1, t1 = read_counters(counters), cpu_snapshot(server.pid), time.monotonic()
+        run.load = (load0, os.getloadavg()[0])
         names.update(thread_names(server.pid))
         run.window_s, run.cpu = t1 - t0, cpu_delta(c0, c1)
         run.steps, run.frames_in, run.frames_out = (b - a for a, b in zip(k0, k1, strict=True))
@@ -472,7 +477,7 @@ def table(summaries: Iterable[dict]) -> str:
     head = (
         "| protocol | sessions | CPU ms/session-s | (wall) | cores | event loop | engine thread | codec threads "
         "| other threads "
-        "| codec | framing | engine | rest | served | steps/s | batch | late (server) | send late p99 |"
+        "| codec | framing | engine | rest | served | steps/s | batch | late (server) | send late p99 | load |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
@@ -484,7 +489,7 @@ def table(summaries: Iterable[dict]) -> str:
             f"{g.get('framing', 0):.2f} | "
             f"{g.get('engine', 0):.2f} | {g.get('rest', 0):.2f} | {s['served_frac']:.3f} | {s['steps_per_s']:.1f} | "
             f"{s['mean_batch']} | {s['server_late_frames']} ({100 * (s['server_late_frac'] or 0):.2f} %) | "
-            f"{s['client_send_late_p99_ms']} |"
+            f"{s['client_send_late_p99_ms']} | {s['load_avg'][0]:.1f}-{s['load_avg'][1]:.1f} |"
         )
     return "\n".join(lines)
 
@@ -555,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         result[f"event_loop_ms_per_session_s_{key}"] = s["threads_ms_per_session_s"]["event-loop"]
         result[f"served_frac_{key}"] = s["served_frac"]
         result[f"server_late_frac_{key}"] = s["server_late_frac"]
+        result[f"load_avg_{key}"] = s["load_avg"]
     print(json.dumps(result))
     return 0
 
