@@ -37,6 +37,11 @@ NOT_RUN = {  # why a script has no smoke run
 }
 
 
+# OpenMP workers that sleep when idle instead of spinning: the benches' engine threads and the two runs side by side
+# would otherwise spin on the cores the others need (half of a stage's CPU in the suite's dry run).
+BENCH_ENV = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
 @dataclass(frozen=True)
 class Smoke:
     args: tuple[str, ...]
@@ -226,7 +231,7 @@ def run(name: str, smoke: Smoke, tmp: Path) -> Ran:
     """The bench in a session of its own, its output in files: the wait is for the bench itself, so a child left
     holding its stdout neither delays the check nor hides from it."""
     command = ["bash"] if name.endswith(".sh") else [sys.executable]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(tmp / "suite")}
+    env = {**BENCH_ENV, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(tmp / "suite")}
     with (tmp / "stdout").open("w") as out, (tmp / "stderr").open("w") as err:
         proc = subprocess.Popen(
             [*command, str(BENCH / name), *smoke.args],
@@ -337,6 +342,7 @@ def test_a_stopped_bench_takes_its_children_with_it(sig, marker, runs):
     proc = subprocess.Popen(
         [sys.executable, str(BENCH / "host_overhead.py"), *args],
         cwd=ROOT,
+        env=BENCH_ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
