@@ -152,10 +152,11 @@ install() {
   else
     timeout "$limit" "$PYTHON" -m pip install -q --no-index --no-build-isolation --no-deps -e . || return 1
   fi
-  (cd / && timeout "$limit" "$PYTHON" -c "import duplexd.server.app, duplexd.commands.cli; print('duplexd imports')") \
-    || return 1
-  timeout "$limit" "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-    torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+  # One interpreter for both checks (importing torch is seconds of CPU), outside the repo so that duplexd comes
+  # from where it is installed.
+  (cd / && timeout "$limit" "$PYTHON" -c "import duplexd.server.app, duplexd.commands.cli; print('duplexd imports')
+import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+  torch.cuda.get_device_name() if torch.cuda.is_available() else '')") || return 1
   "$PYTHON" -m pip list 2>/dev/null | grep -iE "^(torch|triton|numpy|fastapi|uvicorn|websockets|pydantic) " || true
 }
 

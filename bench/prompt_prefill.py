@@ -538,7 +538,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     cpu = not args.device.startswith("cuda")
     if args.quick:
-        args.repeats, args.live, args.baseline_s, args.voice_frames, args.text_tokens = 1, 2, 0.5, 6, 16
+        args.repeats, args.live, args.baseline_s, args.voice_frames, args.text_tokens = 1, 2, 0.5, 2, 4
         args.large = False if args.large is None else args.large
     args.large = cpu and args.preset == "demo" if args.large is None else args.large
     args.reference = cpu and args.preset == "demo" if args.reference is None else args.reference
