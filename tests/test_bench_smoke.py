@@ -115,9 +115,11 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
     prefill = (run / "prompt_prefill.log").read_text()
     prefill_forwards(json.loads(prefill.strip().splitlines()[-1]), prefill, run)
     summary = (run / "summary.md").read_text()
-    for section in ("## Capacity", "## Persona prompt prefill", "## Load test", "## 8-bit KV", "## 8-bit weights"):
+    sections = ("## Triton kernels", "## Capacity", "## Persona prompt prefill", "## Load test", "## 8-bit KV")
+    for section in (*sections, "## 8-bit weights", "## Speech-to-text streams"):
         assert section in summary, section
     assert "| int8 / bf16 |" in summary  # weights_dtype.json's step table, read
+    assert "demo-stt on cpu" in summary  # the STT stage's table
 
 
 def capacity_stage(run: Path) -> None:
