@@ -120,9 +120,11 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
     prefill = (run / "prompt_prefill.log").read_text()
     prefill_forwards(json.loads(prefill.strip().splitlines()[-1]), prefill, run)
     summary = (run / "summary.md").read_text()
-    for section in ("## Capacity", "## Persona prompt prefill", "## Load test", "## 8-bit KV", "## 8-bit weights"):
+    sections = ("## Triton kernels", "## Capacity", "## Persona prompt prefill", "## Load test", "## 8-bit KV")
+    for section in (*sections, "## 8-bit weights", "## Speech-to-text streams"):
         assert section in summary, section
     assert "| int8 / bf16 |" in summary  # weights_dtype.json's step table, read
+    assert "demo-stt on cpu" in summary  # the STT stage's table
 
 
 def capacity_stage(run: Path) -> None:
@@ -154,7 +156,6 @@ def kv_stage(run: Path, out: str) -> None:
 TINY_SUITE = {
     "GPU_SUITE_DRY": "1",
     "PYTHON": sys.executable,
-    "LOAD_SECONDS": "2",
     "CAPACITY_ARGS": "--preset demo --device cpu --batches 1 --steps 3 --max-sessions 1 --granularity 1 "
     "--budget-ms 1e6 --timeout 60",
     "PREFILL_ARGS": "--preset demo --device cpu --quick --threads 1",
@@ -164,7 +165,8 @@ TINY_SUITE = {
     "STT_ARGS": "--preset demo-stt --device cpu --batches 1 --steps 3 --max-sessions 1 --granularity 1 "
     "--budget-ms 1e6 --position 31",
 }
-SUITE = Smoke((), ("bench", "stages", "realtime_sessions", "stt_streams"), TINY_SUITE, suite_stages, timeout=400)
+# Its stages' own limits stop a hung one (bench/gpu_suite.sh); this one is for the script itself.
+SUITE = Smoke((), ("bench", "stages", "realtime_sessions", "stt_streams"), TINY_SUITE, suite_stages, timeout=1200)
 ONE = ("--threads", "1")
 SMOKE: dict[str, Smoke] = {
     "codec.py": Smoke(
@@ -316,7 +318,7 @@ def test_bench_runs(name, runs):
         SMOKE[name].check(last, ran.out, ran.tmp)
 
 
-def wait_for_child(pid: int, marker: str, timeout: float = 120) -> None:
+def wait_for_child(pid: int, marker: str, timeout: float = 300) -> None:
     """Until a process below `pid` whose command line holds `marker` is running."""
     from bench.processes import descendants
 
@@ -351,7 +353,7 @@ def test_a_stopped_bench_takes_its_children_with_it(sig, marker, runs):
     try:
         wait_for_child(proc.pid, marker)
         os.kill(proc.pid, sig)
-        proc.wait(60)
+        proc.wait(180)  # its server drains for up to 30 s; a loaded box is slow to start and stop Python
     finally:
         left = end_session(proc)
     assert not left, f"left behind after {sig.name}: {left}"
