@@ -95,11 +95,18 @@ STT_ARGS=${STT_ARGS:-$DEFAULT_STT}
 FIRST_FAILURE=0
 
 # Every process a stage started ends with the suite, however the suite ends. Stages run in the background and are
-# waited for, so a signal is handled at once (bash holds a trap until a foreground command returns); `timeout`
-# passes the TERM on to its command.
+# waited for, so a signal is handled at once (bash holds a trap until a foreground command returns). The whole tree
+# below the suite is stopped, children before their parent: a stage run as a function in the background (install)
+# is a subshell whose commands would outlive it.
+stop_tree() {
+  local child
+  for child in $(pgrep -P "$1"); do stop_tree "$child"; done
+  kill -TERM "$1" 2> /dev/null
+}
 cleanup() {
+  local child
   trap - INT TERM
-  pkill -TERM -P $$ 2> /dev/null
+  for child in $(pgrep -P $$); do stop_tree "$child"; done
   wait 2> /dev/null
 }
 trap 'cleanup; exit 130' INT
@@ -192,7 +199,8 @@ serve_and_load() {
     > "$DIR/serve.log" 2>&1 &
   server=$!
   say "serve: pid $server on port $port, $n sessions; waiting for /ready"
-  if ! "$PYTHON" - "$port" "$ready" "$server" <<'EOF'
+  # In the background and waited for, as a stage is: a signal stops the suite at once, not after the wait.
+  "$PYTHON" - "$port" "$ready" "$server" <<'EOF' &
 import json, os, sys, time, urllib.request
 port, limit, pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 deadline = time.monotonic() + limit
@@ -211,7 +219,7 @@ while time.monotonic() < deadline:
         time.sleep(0.5)
 sys.exit(f"not ready within {limit:g} s (serve.log)")
 EOF
-  then
+  if ! wait $!; then
     kill -TERM "$server" 2>/dev/null; wait "$server" 2>/dev/null
     return 1
   fi

@@ -358,3 +358,26 @@ def test_a_stopped_bench_takes_its_children_with_it(sig, marker, runs):
         left = end_session(proc)
     assert not left, f"left behind after {sig.name}: {left}"
     assert proc.returncode in (128 + sig, -sig), proc.returncode  # SystemExit(128 + SIGTERM), or SIGINT re-raised
+
+
+def test_a_stopped_suite_takes_its_stage_with_it(tmp_path):
+    """bench/gpu_suite.sh sent SIGTERM during its first stage (duplexd's import check, a grandchild of the script):
+    the stage ends with it and the suite exits by the signal (its later stages, server included, never start)."""
+    proc = subprocess.Popen(
+        ["bash", str(BENCH / "gpu_suite.sh")],
+        cwd=ROOT,
+        env={**BENCH_ENV, **TINY_SUITE, "OUT": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    LIVE[proc.pid] = proc
+    try:
+        wait_for_child(proc.pid, "import duplexd.server.app")
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(120)
+    finally:
+        left = end_session(proc)
+    assert not left, f"left behind after SIGTERM: {left}"
+    assert proc.returncode == 128 + signal.SIGTERM, proc.returncode
+    assert not (tmp_path / "gpu_capacity.log").exists()
