@@ -145,17 +145,24 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).flatten(1).norm(dim=1) / b.flatten(1).norm(dim=1).clamp_min(1e-30)
 
 
-def on_own_thread(fn, *args, threads: int):
-    """Run `fn(*args)` on a fresh thread with `threads` intra-op threads; its OpenMP pool goes with it."""
-    result = []
+def on_own_thread(fn: Callable[..., T], *args: object, threads: int) -> T:
+    """`fn(*args)` on a fresh thread with `threads` intra-op threads (its OpenMP pool goes with it); what it raises is
+    raised here, so a failed reference run fails the bench with its own error."""
+    result: list[T] = []
+    error: list[BaseException] = []
 
     def body() -> None:
         torch.set_num_threads(threads)
-        result.append(fn(*args))
+        try:
+            result.append(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            error.append(e)
 
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
+    if error:
+        raise error[0]
     return result[0]
 
 

@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import MID_LM, cuda_missing  # noqa: E402
+from bench.common import MID_LM, cuda_missing, on_own_thread  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig  # noqa: E402
 from duplexd.engine.dialogue.plan import PrefillResult  # noqa: E402
 from duplexd.engine.dialogue.sampling import SamplingParams
@@ -81,7 +81,6 @@ from duplexd.engine.weights.checkpoint import build_lm  # noqa: E402
 from duplexd.engine.weights.demo import draw_random_  # noqa: E402
 
 logger = logging.getLogger("prompt_prefill")
-T = TypeVar("T")
 
 FRAME_S = 0.08
 PREFILL, FRAME_BY_FRAME = "prefill", "frame_by_frame"
@@ -392,22 +391,6 @@ def live_runs(
 # ---------------------------------------------------------------------------------------------------- reference
 
 
-def on_own_thread(fn: Callable[[], T], threads: int) -> T:
-    """`fn()` on a fresh thread with `threads` intra-op threads; its OpenMP pool goes with it."""
-    result: list[T] = []
-
-    def body() -> None:
-        torch.set_num_threads(threads)
-        result.append(fn())
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join()
-    if not result:
-        raise RuntimeError("the reference run failed (see the traceback above)")
-    return result[0]
-
-
 def reference_runner(cfg: LMConfig, calls: int, threads: int) -> Callable[[], float]:
     """The reference at batch 1 on a same-size random model (dep_q = 16): `calls` prompt steps, then the first live
     frame. Returns a run that gives its seconds."""
@@ -440,7 +423,7 @@ def reference_runner(cfg: LMConfig, calls: int, threads: int) -> Callable[[], fl
             ref_mimi.decode(tokens[:, 1 : 1 + cfg.agent_codebooks])
         return time.perf_counter() - started
 
-    return lambda: on_own_thread(run, threads)
+    return lambda: on_own_thread(run, threads=threads)
 
 
 # ---------------------------------------------------------------------------------------------------- report
