@@ -482,12 +482,13 @@ def table(summaries: Iterable[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         t, g = s["threads_ms_per_session_s"], s["groups_ms_per_session_s"]
+        # without a profile (--no-profile) there is no split by kind of work: no figure rather than zeros
+        split = " | ".join(f"{g[k]:.2f}" if s["profile_samples"] else "—" for k in GROUPS)
         lines.append(
             f"| {s['protocol']} | {s['sessions']} | {s['cpu_ms_per_session_s']:.2f} | "
             f"{s['cpu_ms_per_session_s_wall']:.2f} | {s['cores']:.2f} | {t['event-loop']:.2f} | "
-            f"{t['engine-loop']:.2f} | {t.get('codec', 0):.2f} | {t['other']:.2f} | {g.get('codec', 0):.2f} | "
-            f"{g.get('framing', 0):.2f} | "
-            f"{g.get('engine', 0):.2f} | {g.get('rest', 0):.2f} | {s['served_frac']:.3f} | {s['steps_per_s']:.1f} | "
+            f"{t['engine-loop']:.2f} | {t.get('codec', 0):.2f} | {t['other']:.2f} | {split} | "
+            f"{s['served_frac']:.3f} | {s['steps_per_s']:.1f} | "
             f"{s['mean_batch']} | {s['server_late_frames']} ({100 * (s['server_late_frac'] or 0):.2f} %) | "
             f"{s['client_send_late_p99_ms']} | {s['load_avg'][0]:.1f}-{s['load_avg'][1]:.1f} |"
         )
