@@ -684,5 +684,11 @@ def load_mimi(
         model = MimiModel(cfg)
     model = model.to(dtype).to_empty(device=device).eval()
     naming = load_mimi_weights(model, path)
-    logger.info("loaded Mimi from %s (%s naming, %d codebooks used)", path, naming, cfg.num_codebooks)
+    logger.info(
+        "loaded Mimi from %s (%s naming, %d codebooks used, %s ring rule)",
+        path,
+        naming,
+        cfg.num_codebooks,
+        cfg.ring_rule,
+    )
     return model
