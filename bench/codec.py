@@ -42,6 +42,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -53,8 +54,11 @@ import soundfile as sf
 import soxr
 import sphn
 
-from duplexd.server.codec import libopus, streams
-from duplexd.server.codec.ogg import PageReader, PageWriter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.processes import ending_children  # noqa: E402
+from duplexd.server.codec import libopus, streams  # noqa: E402
+from duplexd.server.codec.ogg import PageReader, PageWriter  # noqa: E402
 
 RATE = 24000
 FRAME = 1920
@@ -464,4 +468,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with ending_children():  # the forked workers and the codec worker processes
+        raise SystemExit(main())

@@ -1,8 +1,9 @@
 """Session-frames per second of the batched engine against the reference serving sessions one after another.
 
 Usage: python bench/engine_throughput.py [--frames 40] [--warmup 5] [--threads 2] [--sessions 1,2,4,8]
-           [--kv-dtype bf16|int8|fp8]
-Same random weights on both sides (LM d 512 x 6 layers, DepFormer d 256 x 2, demo Mimi), CPU fp32. One
+           [--kv-dtype bf16|int8|fp8] [--small]
+Same random weights on both sides (LM d 512 x 6 layers, DepFormer d 256 x 2, or with `--small` the demo LM, as a
+smoke run uses; demo Mimi), CPU fp32. One
 session-frame is Mimi encode → temporal step → DepFormer → Mimi decode of one 80 ms frame. duplexd: N sessions
 open at once in one `Engine`, each given all its frames, stepped as one batch by the engine thread. Reference:
 the `moshi` package's Mimi and LMGen at batch 1, the N sessions one after another (its server holds one
@@ -30,7 +31,7 @@ from moshi.models.lm import LMGen as RefLMGen  # noqa: E402
 from bench.common import add_kv_dtype, on_own_thread, through_checkpoint, tone_with_noise  # noqa: E402
 from duplexd.engine.dialogue.engine import Engine, EngineConfig  # noqa: E402
 from duplexd.engine.dialogue.sampling import SamplingParams  # noqa: E402
-from duplexd.engine.models.config import DEMO_MIMI, LMConfig
+from duplexd.engine.models.config import DEMO, DEMO_MIMI, LMConfig  # noqa: E402
 from duplexd.engine.weights.checkpoint import load_lm, load_mimi  # noqa: E402
 from duplexd.wire import split_frames  # noqa: E402
 from tests.ref_models import reference_lm, reference_mimi  # noqa: E402
@@ -65,7 +66,7 @@ def duplexd_fps(engine: Engine, sessions: int, frames: int) -> float:
 
 
 @torch.no_grad()
-def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int) -> float:
+def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int, user_codebooks: int) -> float:
     started = time.perf_counter()
     for s in range(sessions):
         pcm = torch.from_numpy(split_frames(tone_with_noise(frames * FS, DEMO_MIMI.sample_rate, s), FS))
@@ -79,7 +80,7 @@ def reference_fps(ref_lm, ref_mimi, sessions: int, frames: int) -> float:
         with gen.streaming(1), ref_mimi.streaming(1):
             for f in range(frames):
                 codes = ref_mimi.encode(pcm[None, None, f])
-                tokens = gen.step(codes[:, : CONFIG.num_user_codebooks])
+                tokens = gen.step(codes[:, :user_codebooks])
                 if tokens is not None:
                     ref_mimi.decode(tokens[:, 1:])
     return sessions * frames / (time.perf_counter() - started)
@@ -92,13 +93,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sessions", default="1,2,4,8")
     add_kv_dtype(parser)
+    parser.add_argument("--small", action="store_true", help="the demo LM's sizes (a smoke run)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     counts = [int(n) for n in args.sessions.split(",")]
+    config = DEMO if args.small else CONFIG
 
-    ref_lm = reference_lm(CONFIG, seed=0)
+    ref_lm = reference_lm(config, seed=0)
     ref_mimi = reference_mimi(seed=0, mimi_config=DEMO_MIMI.to_reference_dict())
-    lm = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, CONFIG))
+    lm = through_checkpoint(ref_lm.state_dict(), lambda path: load_lm(path, config))
     mimi = through_checkpoint(ref_mimi.state_dict(), lambda path: load_mimi(path, DEMO_MIMI))
     engine = Engine(
         lm,
@@ -108,19 +111,21 @@ def main() -> None:
         ),
     )
     engine.start()
-    on_own_thread(reference_fps, ref_lm, ref_mimi, 1, args.warmup, threads=args.threads)
+    codebooks = config.num_user_codebooks
+    on_own_thread(reference_fps, ref_lm, ref_mimi, 1, args.warmup, codebooks, threads=args.threads)
     duplexd_fps(engine, 1, args.warmup)
 
     print(
         f"engine throughput, CPU fp32, KV {args.kv_dtype}, {args.threads} threads, {args.frames} frames per "
         "session; LM "
-        f"{CONFIG.dim} x {CONFIG.num_layers}, DepFormer {CONFIG.depformer_dim} x {CONFIG.depformer_num_layers}, "
+        f"{config.dim} x {config.num_layers}, DepFormer {config.depformer_dim} x {config.depformer_num_layers}, "
         f"demo Mimi"
     )
     # Sequential, so the rate does not depend on N.
-    ref = on_own_thread(reference_fps, ref_lm, ref_mimi, 2, args.frames, threads=args.threads)
+    ref = on_own_thread(reference_fps, ref_lm, ref_mimi, 2, args.frames, codebooks, threads=args.threads)
     print(f"{'sessions':>8} {'duplexd fps':>12} {'reference fps':>14} {'ratio':>7}")
-    result: dict[str, object] = {"bench": "engine_throughput", "kv_dtype": args.kv_dtype}
+    lm_size = f"{config.dim}x{config.num_layers}"
+    result: dict[str, object] = {"bench": "engine_throughput", "lm": lm_size, "kv_dtype": args.kv_dtype}
     for n in counts:
         fps = duplexd_fps(engine, n, args.frames)
         print(f"{n:>8} {fps:>12.1f} {ref:>14.1f} {fps / ref:>7.2f}")

@@ -10,7 +10,8 @@
 # WHEEL_PYTHON=3.11 WHEEL_DEST=DIR fetch the same set for another Python (to check the set on a machine whose
 # Python differs from the image's: bench/gpu_suite.sh's dry run can use it with WHEELS=DIR). WHEEL_CHECK=1 only
 # resolves the set against the index (pip's --dry-run: every pin exists as a wheel for the image's platform and
-# Python), downloading nothing: the test suite's smoke run. The last line is one JSON object.
+# Python), downloading no wheel; it still asks the index, so the test suite, which runs offline, does not run it.
+# The last line is one JSON object.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."

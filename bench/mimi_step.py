@@ -1,7 +1,8 @@
 """Per-frame Mimi encode + decode time, duplexd against the reference `moshi` Mimi, same random weights, CPU fp32.
 
-Usage: python bench/mimi_step.py [--frames 30] [--warmup 5] [--threads 2]
-One step = streaming encode of one 1920-sample frame for every batch row, then streaming decode of the codes.
+Usage: python bench/mimi_step.py [--frames 30] [--warmup 5] [--threads 2] [--small]
+One step = streaming encode of one 1920-sample frame for every batch row, then streaming decode of the codes; the
+real Mimi config, or with `--small` the demo Mimi's (a smoke run: the real one's random weights take seconds to make).
 Also times the tiny demo Mimi for 8 slots. Prints a table and, as its last line, one JSON object.
 """
 
@@ -67,12 +68,13 @@ def demo_ms(slots: int, frames: int, warmup: int) -> float:
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, small=True)
+    config = DEMO_MIMI if args.small else MIMI
 
-    ref = reference_mimi(seed=0)
-    model = through_checkpoint(ref.state_dict(), lambda path: load_mimi(path, MIMI))
+    ref = reference_mimi(seed=0, mimi_config=config.to_reference_dict() if args.small else None)
+    model = through_checkpoint(ref.state_dict(), lambda path: load_mimi(path, config))
 
-    result: dict[str, object] = {"bench": "mimi_step"}
+    result: dict[str, object] = {"bench": "mimi_step", "mimi": "demo" if args.small else "real"}
     print(
         f"Mimi encode + decode of one frame, CPU fp32, {args.threads} threads, "
         f"median of {args.frames} frames after {args.warmup} warm-up"

@@ -1,6 +1,6 @@
 """bench/kv_dtype.py on the CPU: the error budget of an 8-bit KV cache (teacher-forced text logits and attention
 outputs of int8 and fp8 against the weights' dtype, on a sharpened random model, past the window), shown able to
-fail (a pool whose value scales are dropped blows it), and the dry run the GPU suite's stage makes, summarised.
+fail (a pool whose value scales are dropped blows it); the GPU suite's dry run of it is in test_bench_smoke.
 
 The figures themselves (docs/BENCHMARKS.md) come from the bench's own command line; here they are bounded."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -63,15 +62,6 @@ def test_the_budget_catches_a_scale_plumbing_bug(lm, monkeypatch):
     assert bad["attention_rel_err_mean"] > 10
 
 
-def test_dry_run_and_its_summary(tmp_path, capsys):
-    args = ["--preset", "demo", "--device", "cpu", "--frames", "20", "--rows", "2", "--batches", "1", "2", "--steps"]
-    assert kv_bench.main([*args, "3", "--out", str(tmp_path)]) == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    report = json.loads((tmp_path / "kv_dtype.json").read_text())
-    assert last == report and report["kv_dtype"] == "int8" and "write" not in report  # the store check needs CUDA
-    assert set(report["capacity"]) == {"bf16", "int8"} and report["agreement"]["frames"] == 20
-    for kv in ("bf16", "int8"):
-        assert report["steps"][kv]["fit"] == 2 and report["steps"][kv]["2"]["p99_ms"] > 0
-    table, verdict = summary.kv_table(report)
-    assert "| int8 |" in table and "B=2 p50 / p99 ms" in table and verdict.startswith("kv dtype int8:")
-    assert summary.kv_table(None)[1] == "kv dtype: no result"
+def test_summary_without_a_result():
+    """A kv_dtype stage that wrote nothing is said so (the dry run's summary is checked in test_bench_smoke)."""
+    assert summary.kv_table(None) == ("no result (see kv_dtype.log)", "kv dtype: no result")
