@@ -77,7 +77,7 @@ from duplexd.engine.models.config import DEMO, DEMO_MIMI, MIMI, PERSONAPLEX_7B, 
 from duplexd.engine.models.lm import LMModel  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel  # noqa: E402
 from duplexd.engine.persona.prompt import PersonaPrompt, PromptChunk, Voice, build_prompt  # noqa: E402
-from duplexd.engine.weights.checkpoint import build_lm  # noqa: E402
+from duplexd.engine.weights.checkpoint import build_lm, mimi_ring_rule  # noqa: E402
 from duplexd.engine.weights.demo import draw_random_  # noqa: E402
 
 logger = logging.getLogger("prompt_prefill")
@@ -105,9 +105,10 @@ def describe(cfg: LMConfig) -> str:
 def random_models(
     cfg: LMConfig, mimi_cfg: MimiConfig, device: str, dtype: torch.dtype, seed: int = SEED
 ) -> tuple[LMModel, MimiModel]:
-    """The LM in `dtype` with random weights drawn on the device (`engine.demo.draw_random_`); Mimi in fp32."""
+    """The LM in `dtype` with random weights drawn on the device (`engine.demo.draw_random_`); Mimi in fp32, with
+    the LM's ring rule as the server builds it."""
     lm = draw_random_(build_lm(cfg, device=device, dtype=dtype), seed)
-    return lm, MimiModel(mimi_cfg).init_weights_(seed).to(device)
+    return lm, MimiModel(mimi_ring_rule(mimi_cfg, cfg)).init_weights_(seed).to(device)
 
 
 def persona_prompt(cfg: LMConfig, voice_frames: int, text_tokens: int, seed: int = SEED) -> PersonaPrompt:

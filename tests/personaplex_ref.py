@@ -54,7 +54,7 @@ class Oracle:
         self._ctx = lm.streaming(1)
         self._ctx.__enter__()
         if ring_rule == "personaplex":
-            use_fork_rule(lm)  # the temporal transformer's rings as NVIDIA's server labels them
+            use_fork_rule(lm.transformer)  # the temporal transformer's rings as NVIDIA's server labels them
 
     def close(self) -> None:
         self._ctx.__exit__(None, None, None)

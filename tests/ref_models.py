@@ -113,6 +113,20 @@ def sharpen_attention_(lm: RefLMModel, factor: float = 2.0) -> RefLMModel:
     return lm
 
 
+@torch.no_grad()
+def sharpen_mimi_(mimi, factor: float = 8.0, layer_scale: float = 30.0):
+    """Scale a reference Mimi's transformer query and key projections by `factor` and their layer scales by
+    `layer_scale`: peaked attention that carries into the latents, so one key attended or left out (a ring rule)
+    changes codes and speech, not only float noise."""
+    for transformer in (mimi.encoder_transformer.transformer, mimi.decoder_transformer.transformer):
+        for layer in transformer.layers:
+            for proj in layer.self_attn.in_projs:
+                proj.weight[: 2 * layer.self_attn.embed_dim].mul_(factor)
+            layer.layer_scale_1.scale.mul_(layer_scale)
+            layer.layer_scale_2.scale.mul_(layer_scale)
+    return mimi
+
+
 class ReferenceStt:
     """One reference STT conversation at batch 1: moshi's `LMGen(temp=0, temp_text=0).step_with_extra_heads` fed the
     previous frame's codes at each step and frame 0 at step 0 (`moshi.run_inference`'s frame 0 twice). `step` takes

@@ -10,7 +10,8 @@ pos has 0 <= q - pos < context.
   `last + delta - capacity`. Every entry gets the position it holds: a full ring attends `capacity` keys.
 - NVIDIA's PersonaPlex fork (moshi's older `RingKVCache`): the same with `end_offset` in place of `last`. Index
   `end_offset % capacity` holds the oldest entry (end_offset - capacity) but gets the position end_offset, in the
-  future, so the mask drops it: a full ring attends `capacity - 1` keys.
+  future, so the mask drops it: a full ring attends `capacity - 1` keys. A call of several steps (Mimi's: two a
+  frame) drops it for every one of its queries, so each attends only the ring's newest `capacity - 1` positions.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ def attended(rule: str, query: int, end_offset: int, capacity: int, context: int
     return [i for i, pos in enumerate(labels) if pos >= 0 and 0 <= query - pos < context]
 
 
-def use_fork_rule(lm) -> None:
-    """Make a streaming reference LM's temporal transformer label its rings as NVIDIA's fork does (its DepFormer
-    and Mimi are left alone). Call inside `lm.streaming(...)`: the caches exist then."""
-    for layer in lm.transformer.layers:
+def use_fork_rule(*transformers) -> None:
+    """Make streaming reference transformers label their rings as NVIDIA's fork does: an LM's temporal transformer
+    (`lm.transformer`; its DepFormer is left alone), Mimi's two (`mimi_transformers`). Call inside
+    `streaming(...)`: the caches exist then."""
+    for layer in (layer for transformer in transformers for layer in transformer.layers):
         cache = layer.self_attn._streaming_state.kv_cache
         upstream = cache.complete
 
@@ -64,3 +66,8 @@ def use_fork_rule(lm) -> None:
             return KVCacheResult(keys, values, fork)
 
         cache.complete = complete
+
+
+def mimi_transformers(mimi) -> tuple:
+    """A reference Mimi's encoder and decoder transformers (the modules with rings), for `use_fork_rule`."""
+    return mimi.encoder_transformer.transformer, mimi.decoder_transformer.transformer

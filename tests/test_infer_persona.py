@@ -1,7 +1,8 @@
 """`duplexd infer --text-prompt T --voice-prompt V` on a tiny random PersonaPlex checkpoint, greedy: the
 --tokens-out JSONL from the first live frame on against the plain-Python statement of the reference's rules
 (`personaplex_ref`, with NVIDIA's ring rule), with a `.pt` preset and with an audio voice, the session running
-past the model's window; and each refusal of a bad prompt."""
+past the LM's window and 11 s of live audio past Mimi's (250 steps: 10 s, where the fork's Mimi parts from moshi's:
+the user's codes and the speech, by the reference Mimi with the fork's labels); and each refusal of a bad prompt."""
 
 from __future__ import annotations
 
@@ -18,31 +19,45 @@ from safetensors.torch import save_file
 
 from duplexd.commands.cli import main
 from duplexd.commands.infer import read_audio
+from duplexd.engine.models.config import DEMO_MIMI
 from duplexd.engine.models.tokenizer import TextTokenizer, train_tokenizer
 from duplexd.engine.persona.voices import load_audio_voice
-from duplexd.engine.weights.checkpoint import load_lm, load_mimi
+from duplexd.engine.weights.checkpoint import load_lm, load_mimi, mimi_ring_rule
 
 from .personaplex_files import PP_SMALL, write_personaplex
 from .personaplex_ref import Oracle, ReferenceSession, preset_from_codes
-from .ref_models import quantized_reference, reference_mimi
+from .ref_models import quantized_reference, reference_mimi, sharpen_mimi_
+from .ring_rules import mimi_transformers, use_fork_rule
 from .test_infer import FRAME, speech_like
 
-# A real tokenizer's vocabulary; a 96-frame window, which the prompt (82-85 frames) and 2.5 s of input overrun.
+# A real tokenizer's vocabulary; a 96-frame window, which the prompt (82-85 frames) and the input overrun. Mimi is the
+# demo's tiny one, its window the real 250 steps (10 s), which 11 s of input overrun (the last frame zero-padded).
 CFG = dataclasses.replace(PP_SMALL, text_card=400, context=96)
-INPUT_SECONDS, LIVE = 2.5, 32
+INPUT_SECONDS, LIVE = 11.0, 138
+MIMI_WINDOW_FRAMES = DEMO_MIMI.context // DEMO_MIMI.downsample_stride  # 125
 ROLE = "You are a wise and friendly teacher who answers questions about the weather."
 VOICE_CODES = torch.randint(0, CFG.card, (5, 8), generator=torch.Generator().manual_seed(1)).tolist()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models, hundreds of frames: one intra-op thread (two only spin against each other on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A PersonaPlex checkpoint, its Mimi and tokenizer, a user's input, a `.pt` preset and an audio voice."""
+    """A PersonaPlex checkpoint, its Mimi and tokenizer, a user's input, a `.pt` preset and an audio voice. Mimi's
+    attention is sharpened so that its ring rule shows in the codes, not only in float noise."""
     root = tmp_path_factory.mktemp("pp_infer")
     corpus = resources.files("duplexd.engine.weights").joinpath("data", "demo_corpus.txt").read_text().splitlines()
     train_tokenizer(corpus, root / "tok.model", 400)
     assert TextTokenizer(root / "tok.model").vocab_size == CFG.text_card
     weights, ref_lm = write_personaplex(root, CFG, seed=4)
-    ref_mimi = reference_mimi(seed=12)
+    ref_mimi = sharpen_mimi_(reference_mimi(seed=12, mimi_config=DEMO_MIMI.to_reference_dict()))
     save_file({k: v.contiguous() for k, v in ref_mimi.state_dict().items()}, str(root / "mimi.safetensors"))
     sf.write(root / "in.wav", speech_like(INPUT_SECONDS, 24000, seed=3)[:, 0], 24000)
     torch.save(preset_from_codes(CFG, ref_lm, VOICE_CODES), root / "voice.pt")
@@ -80,15 +95,25 @@ def _infer(files, tmp_path, role: str, voice: str) -> list[dict]:
 
 
 @torch.no_grad()
-def _user_codes(ref_mimi, root) -> list[list[int]]:
-    """The input file's codes, one frame at a time through the reference Mimi."""
+def _user_codes(ref_mimi, root, rule: str = "personaplex") -> list[list[int]]:
+    """The input file's codes, one frame at a time through the reference Mimi, its rings labelled by `rule`."""
     pcm = read_audio(root / "in.wav", 24000, FRAME)
     pcm = np.pad(pcm, (0, -len(pcm) % FRAME))
     with ref_mimi.streaming(1):
+        if rule == "personaplex":
+            use_fork_rule(*mimi_transformers(ref_mimi))
         return [
             ref_mimi.encode(torch.from_numpy(pcm[i * FRAME : (i + 1) * FRAME])[None, None])[0, :, 0].tolist()
             for i in range(len(pcm) // FRAME)
         ]
+
+
+@torch.no_grad()
+def _speech(ref_mimi, frames: list[dict]) -> np.ndarray:
+    """The agent's codes of each live frame decoded by a fresh reference Mimi with the fork's labels."""
+    with ref_mimi.streaming(1):
+        use_fork_rule(*mimi_transformers(ref_mimi))
+        return np.concatenate([ref_mimi.decode(torch.tensor(f["audio"])[None, :, None])[0, 0].numpy() for f in frames])
 
 
 def _expected(files, role: str, codes=None, preset=None) -> list[dict]:
@@ -119,15 +144,28 @@ def test_preset_voice_matches_the_reference_rules(files, tmp_path):
     root = files[0]
     state = torch.load(root / "voice.pt", weights_only=True)
     preset = (state["embeddings"][:, 0], len(VOICE_CODES), state["cache"][0].tolist())
-    _check(_infer(files, tmp_path, ROLE, "voice.pt"), _expected(files, ROLE, preset=preset))
-    out, rate = sf.read(tmp_path / "out.wav")
+    expected = _expected(files, ROLE, preset=preset)
+    _check(_infer(files, tmp_path, ROLE, "voice.pt"), expected)
+    out, rate = sf.read(tmp_path / "out.wav", dtype="float32")
     assert rate == 24000 and len(out) == LIVE * FRAME  # OUT starts at the first live frame too
+    sf.write(tmp_path / "expected.wav", _speech(files[3], expected), rate)  # the same 16-bit rounding
+    gap = np.abs(out - sf.read(tmp_path / "expected.wav", dtype="float32")[0]).reshape(LIVE, FRAME).max(-1)
+    assert gap.max() <= 1.01 / 2**15, f"speech parts at frame {int(np.argmax(gap > 1.01 / 2**15))}"  # a last bit
+
+
+def test_mimis_rule_changes_the_users_codes_past_10_s(files):
+    """The tests above fail with moshi's Mimi rule: the input's codes part from the fork's once Mimi's ring is full."""
+    root, _, _, ref_mimi = files
+    fork, moshi = _user_codes(ref_mimi, root), _user_codes(ref_mimi, root, "moshi")
+    parted = [i for i, (a, b) in enumerate(zip(fork, moshi, strict=True)) if a != b]
+    assert parted and parted[0] >= MIMI_WINDOW_FRAMES - 1 and len(parted) >= 3, parted
 
 
 def test_audio_voice_matches_the_reference_rules(files, tmp_path):
     root = files[0]
-    mimi = load_mimi(root / "mimi.safetensors")
-    codes = load_audio_voice(root / "voice.wav", mimi, load_lm(files[1]).cfg).codes  # checked in test_voices
+    cfg = load_lm(files[1]).cfg
+    mimi = load_mimi(root / "mimi.safetensors", mimi_ring_rule(DEMO_MIMI, cfg))
+    codes = load_audio_voice(root / "voice.wav", mimi, cfg).codes  # checked in test_voices
     assert codes is not None and len(codes) == 8  # 0.6 s at 12.5 Hz, rounded up
     _check(_infer(files, tmp_path, ROLE, "voice.wav"), _expected(files, ROLE, codes=codes.tolist()))
 

@@ -17,6 +17,7 @@ from duplexd.engine.models.mimi import MimiModel, MimiStreams
 from duplexd.engine.weights.checkpoint import load_mimi
 
 from .ref_models import reference_mimi
+from .ring_rules import mimi_transformers, use_fork_rule
 
 FS = MIMI.frame_size
 FRAMES = 25
@@ -34,10 +35,13 @@ def speech_like(frames: int, seed: int) -> torch.Tensor:
     return x.float()
 
 
-def reference_stream(ref, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference streaming encode then streaming decode of its own codes, frame by frame: ([1, 8, n], [1, N])."""
+def reference_stream(ref, pcm: torch.Tensor, rule: str = "moshi") -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference streaming encode then streaming decode of its own codes, frame by frame: ([1, 8, n], [1, N]);
+    `rule` "personaplex": its transformers' rings labelled as NVIDIA's fork labels them (`ring_rules`)."""
     codes, out = [], []
     with torch.no_grad(), ref.streaming(1):
+        if rule == "personaplex":
+            use_fork_rule(*mimi_transformers(ref))
         for f in range(pcm.shape[-1] // FS):
             codes.append(ref.encode(pcm[None, None, f * FS : (f + 1) * FS]))
         for c in codes:

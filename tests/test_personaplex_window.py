@@ -5,7 +5,7 @@ whole PersonaPlex sessions against the reference `moshi` LM with the fork's rule
 
 Only the temporal transformer's rule is swapped in the oracle: the fork's DepFormer ring (dep_q = 16 entries, reset
 every frame) fills at its last step, the user's last codebook, which duplexd does not run; the fork's Mimi also
-carries the older cache (250 steps at 25 Hz), and duplexd's Mimi keeps moshi's rule."""
+carries the older cache (250 steps at 25 Hz), and duplexd's Mimi follows it there (test_mimi_window)."""
 
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ def test_serve_lists_its_voices(checkpoint, tmp_path):
     assert models[0]["persona"] is True and models[0]["voices"] == ["NATF0.pt", "guest.wav"], models
     text = log.read_text()
     assert "2 voices from" in text and "Traceback" not in text, text[-3000:]
+    assert "personaplex ring rule)" in text, text[-3000:]  # its Mimi attends as NVIDIA's (test_mimi_window)
 
 
 def test_a_bad_voice_file_refuses_the_start(checkpoint, tmp_path):

@@ -34,7 +34,7 @@ from duplexd.engine.kv.dtypes import KV_DTYPES
 from duplexd.engine.models.config import MIMI_PRESETS, PRESET_MIMI, PRESETS, LMConfig
 from duplexd.engine.models.int8_weights import WEIGHT_DTYPES, weight_dtypes
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
-from duplexd.engine.weights.checkpoint import build_lm, int8_plan, read_lm_config
+from duplexd.engine.weights.checkpoint import build_lm, int8_plan, mimi_ring_rule, read_lm_config
 
 GiB = 2**30
 CUDA_CONTEXT = GiB  # the CUDA context, cuBLAS workspaces and loaded kernels, before the engine sizes its pool
@@ -135,7 +135,7 @@ def capacity(
     `weights_dtype` "int8": the LM's projections as int8 weights, as `--weights-dtype int8` loads them."""
     lm = build_lm(cfg, "meta", dtype, int8=int8_plan(cfg, set(), weights_dtype))
     with torch.device("meta"):
-        mimi = MimiModel(MIMI_PRESETS[mimi_preset])
+        mimi = MimiModel(mimi_ring_rule(MIMI_PRESETS[mimi_preset], cfg))  # as the server builds it
     lm_weights, mimi_weights = weight_bytes(lm), weight_bytes(mimi)
     if memory is None:
         free, total = torch.cuda.mem_get_info(torch.device(device))

@@ -26,7 +26,7 @@ from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.persona.prompt import PersonaPrompt, check_persona_model, role_prompt
 from duplexd.engine.persona.voices import VoiceError, load_voice
-from duplexd.engine.weights.checkpoint import load_lm, load_mimi
+from duplexd.engine.weights.checkpoint import load_lm, load_mimi, mimi_ring_rule
 from duplexd.engine.weights.hub import resolve_file
 from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_model_files, model_files
 from duplexd.wire import split_frames
@@ -102,7 +102,8 @@ def prepare(args: argparse.Namespace) -> tuple[str, ModelFiles, SamplingParams]:
 def run(args: argparse.Namespace) -> int:
     device, files, params = prepare(args)
     lm = load_lm(files.moshi, files.config, device=device, dtype=DTYPES[args.dtype], weights_dtype=args.weights_dtype)
-    mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
+    mimi_cfg = mimi_ring_rule(MIMI_PRESETS[files.mimi_preset], lm.cfg)  # a PersonaPlex LM's Mimi: NVIDIA's rule
+    mimi = load_mimi(files.mimi, mimi_cfg, device=device, dtype=torch.float32)
     tokenizer = TextTokenizer(resolve_file(files.tokenizer, TOKENIZER_NAME))
     prompt = persona_prompt(args, lm, mimi, tokenizer)
     pipeline = Pipeline(lm, mimi, num_slots=1, kv_dtype=args.kv_dtype)

@@ -27,7 +27,14 @@ from duplexd.engine.models.config import MIMI_PRESETS
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.stt.delay import delay_tokens
 from duplexd.engine.stt.words import EndWord, Word, WordTimer
-from duplexd.engine.weights.checkpoint import CONFIG_NAME, checkpoint_names, load_lm, load_mimi, read_stt_settings
+from duplexd.engine.weights.checkpoint import (
+    CONFIG_NAME,
+    checkpoint_names,
+    load_lm,
+    load_mimi,
+    mimi_ring_rule,
+    read_stt_settings,
+)
 from duplexd.engine.weights.demo import ensure_demo_stt
 from duplexd.engine.weights.model_files import DTYPES, model_files
 from duplexd.wire import split_frames
@@ -73,7 +80,8 @@ def run(args: argparse.Namespace, files: SttFiles) -> int:
     settings = read_stt_settings(files.config)
     assert settings is not None
     lm = load_lm(files.lm, files.config, device=device, dtype=DTYPES[args.dtype])
-    mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
+    mimi_cfg = mimi_ring_rule(MIMI_PRESETS[files.mimi_preset], lm.cfg)
+    mimi = load_mimi(files.mimi, mimi_cfg, device=device, dtype=torch.float32)
     tokenizer = TextTokenizer(files.tokenizer)
     rate = mimi.cfg.sample_rate
     pcm = read_audio(args.input, rate)

@@ -19,7 +19,8 @@ class ConfigError(ValueError):
     """A configuration that duplexd cannot run, with the offending key named."""
 
 
-# Ring KV cache rules (`LMConfig.ring_rule`): how many of the window's `context` keys the rule leaves out once full.
+# Ring KV cache rules (`LMConfig.ring_rule`, `MimiConfig.ring_rule`): how many of the window's `context` keys the rule
+# leaves out once full.
 RING_RULES: dict[str, int] = {"moshi": 0, "personaplex": 1}
 
 
@@ -282,6 +283,12 @@ class MimiConfig:
     num_codebooks: int = 8
     # The released model upsamples channel-wise (reference `upsample_channel_wise_bug=True`).
     upsample_channel_wise: bool = True
+    # Not a reference key: the ring KV cache of the server the LM beside it was made for (`LMConfig.ring_rule`),
+    # chosen with the LM's (`weights.checkpoint.mimi_ring_rule`). A frame writes its steps' keys, then attends:
+    # "moshi" (moshi 0.2.13) every key of the ring within `context` of a query; "personaplex" (NVIDIA's fork, whose
+    # older ring cache Mimi's transformers carry too) gives the oldest entry of a full ring a future position, so
+    # a frame's queries attend only its newest `context - 1` positions (`attention_window`).
+    ring_rule: str = "moshi"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratios", tuple(int(r) for r in self.ratios))
@@ -299,6 +306,19 @@ class MimiConfig:
             raise ConfigError(f"num_codebooks={self.num_codebooks} must be in {self.n_q_semantic}..{self.n_q}")
         if self.context < 1:
             raise ConfigError("context must be positive")
+        if self.ring_rule not in RING_RULES:
+            raise ConfigError(f"ring_rule {self.ring_rule!r} is not one of {', '.join(RING_RULES)}")
+        if self.attention_window < self.downsample_stride:
+            raise ConfigError(
+                f"context {self.context} leaves the first of a frame's {self.downsample_stride} transformer steps no "
+                f"key to attend under the {self.ring_rule} ring rule"
+            )
+
+    @property
+    def attention_window(self) -> int:
+        """The newest positions of a slot's ring that a frame's transformer queries attend (`ring_rule`); each query
+        also only those within `context` of itself."""
+        return self.context - RING_RULES[self.ring_rule]
 
     @property
     def hop_length(self) -> int:

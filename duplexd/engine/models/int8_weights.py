@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
 
 from duplexd.kernels.cpu_matmul import matmul
 from duplexd.kernels.w8a16_matmul import int8_matmul
-
-if TYPE_CHECKING:
-    from .lm import LMModel
 
 WEIGHT_DTYPES = ("bf16", "int8")  # bf16: the model's float dtype (fp32 on CPU), as `--kv-dtype bf16` is
 QMAX = 127.0
@@ -149,7 +146,19 @@ def int8_names(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if isinstance(m, Int8Weight)}
 
 
-def int8_layout_(model: LMModel, names: Iterable[str]) -> None:
+@runtime_checkable
+class Projecting(Protocol):
+    """A model whose projection function follows its weights' kind (`LMModel`): told when a weight changes kind."""
+
+    def bind_projections(self) -> None: ...
+
+
+def _rebind(model: nn.Module) -> None:
+    if isinstance(model, Projecting):
+        model.bind_projections()
+
+
+def int8_layout_(model: nn.Module, names: Iterable[str]) -> None:
     """Replace the float parameters `names` (shape [*lead, in, out]) with uninitialised int8 weights on the same
     device (works on `meta`); the model's `project` follows."""
     for name in names:
@@ -158,10 +167,10 @@ def int8_layout_(model: LMModel, names: Iterable[str]) -> None:
         *lead, inp, out = p.shape
         delattr(owner, leaf)
         setattr(owner, leaf, Int8Weight(tuple(lead), out, inp, device=p.device))
-    model.bind_projections()
+    _rebind(model)
 
 
-def quantize_(model: LMModel, names: Iterable[str]) -> None:
+def quantize_(model: nn.Module, names: Iterable[str]) -> None:
     """Quantize the float parameters `names` in place (on their device), by `quantize_rows`."""
     for name in names:
         owner, leaf = _owner(model, name)
@@ -174,7 +183,7 @@ def quantize_(model: LMModel, names: Iterable[str]) -> None:
         w.set_from_absmax_()
 
 
-def dequantize_(model: LMModel, names: Iterable[str], dtype: torch.dtype) -> None:
+def dequantize_(model: nn.Module, names: Iterable[str], dtype: torch.dtype) -> None:
     """Replace the int8 weights `names` with float parameters in `dtype` (a q8 file served with float weights); the
     model's `project` follows."""
     for name in names:
@@ -183,4 +192,4 @@ def dequantize_(model: LMModel, names: Iterable[str], dtype: torch.dtype) -> Non
         assert isinstance(w, Int8Weight), name
         delattr(owner, leaf)
         owner.register_parameter(leaf, nn.Parameter(w.dequantized().to(dtype).contiguous(), requires_grad=False))
-    model.bind_projections()
+    _rebind(model)

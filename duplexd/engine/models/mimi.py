@@ -303,16 +303,31 @@ class TransformerLayer(nn.Module):
         return x + self.layer_scale_2 * matmul(F.gelu(matmul(self.norm2(x), self.w1)), self.w2)
 
 
+def ring_mask(positions: torch.Tensor, keys: torch.Tensor, context: int, window: int) -> torch.Tensor:
+    """Which ring entries each query of a call attends: [B, T, L] from the call's query positions [B, T] (its keys
+    just written) and the position each ring entry holds [B, L] (-1: not written since the slot's reset).
+
+    An entry is attended when it is within `context` steps of the query, not after it, and among the newest
+    `window` positions of the ring: `window == context` is moshi's rule (a full ring's every entry), `context - 1`
+    NVIDIA's fork's (never a full ring's oldest, which its cache labels with a future position).
+    """
+    keys = keys[:, None, :]
+    delta = positions[:, :, None] - keys
+    newest = positions[:, -1:, None]
+    return (keys >= 0) & (delta >= 0) & (delta < context) & (newest - keys < window)
+
+
 class Transformer(nn.Module):
     """Causal transformer over [B, T, d] with a sliding window of `context` steps kept in a per-slot KV ring.
 
     Ring semantics follow the reference (`RingKVCache`, capacity = context): new keys are written before
-    attending, and each query sees the stored keys at positions in (pos - context, pos].
+    attending, and each query sees the stored keys at positions in (pos - context, pos], less a full ring's oldest
+    under NVIDIA's fork's rule (`MimiConfig.ring_rule`, `ring_mask`).
     """
 
     def __init__(self, cfg: MimiConfig) -> None:
         super().__init__()
-        self.context, self.max_period = cfg.context, cfg.max_period
+        self.context, self.window, self.max_period = cfg.context, cfg.attention_window, cfg.max_period
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in range(cfg.num_layers)])
 
@@ -333,9 +348,7 @@ class Transformer(nn.Module):
         ctx.put(self, "offset", positions[:, -1] + 1)
         stored = ctx.buffer(self, "positions")
         stored[rows.index[:, None], ring] = positions
-        keys = rows.get(stored)[:, None, :]  # -1 marks entries never written since the slot's reset
-        delta = positions[:, :, None] - keys
-        mask = ((keys >= 0) & (delta >= 0) & (delta < self.context))[:, None]
+        mask = ring_mask(positions, rows.get(stored), self.context, self.window)[:, None]
         cos, sin = rope_angles(positions, self.head_dim, self.max_period)
         kv = ctx.buffer(self, "kv")
         for i, layer in enumerate(self.layers):

@@ -514,6 +514,12 @@ def checkpoint_ring_rule(cfg: LMConfig) -> LMConfig:
     return cfg if cfg.ring_rule == rule else dataclasses.replace(cfg, ring_rule=rule)
 
 
+def mimi_ring_rule(mimi: MimiConfig, lm: LMConfig) -> MimiConfig:
+    """`mimi` with the ring rule of the LM it serves (`checkpoint_ring_rule`): one server ran both, with one ring
+    cache, so a PersonaPlex LM's Mimi attends as NVIDIA's fork does too (a 250-step window at 25 Hz: 10 s)."""
+    return mimi if mimi.ring_rule == lm.ring_rule else dataclasses.replace(mimi, ring_rule=lm.ring_rule)
+
+
 TOKENIZER_NAME = "tokenizer_spm_32k_3.model"  # Moshi's sentencepiece model, in Kyutai's repos
 
 
@@ -678,5 +684,11 @@ def load_mimi(
         model = MimiModel(cfg)
     model = model.to(dtype).to_empty(device=device).eval()
     naming = load_mimi_weights(model, path)
-    logger.info("loaded Mimi from %s (%s naming, %d codebooks used)", path, naming, cfg.num_codebooks)
+    logger.info(
+        "loaded Mimi from %s (%s naming, %d codebooks used, %s ring rule)",
+        path,
+        naming,
+        cfg.num_codebooks,
+        cfg.ring_rule,
+    )
     return model

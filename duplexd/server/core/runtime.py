@@ -34,6 +34,7 @@ from duplexd.engine.weights.checkpoint import (
     build_lm,
     load_lm,
     load_mimi,
+    mimi_ring_rule,
     quantize_lm_,
     read_stt_settings,
 )
@@ -98,10 +99,10 @@ def weight_dtype(settings: ServerSettings, device: str) -> torch.dtype:
 def random_models(
     preset: str, device: str, dtype: torch.dtype, seed: int = 0, weights_dtype: str | None = None
 ) -> tuple[LMModel, MimiModel]:
-    """The preset's LM in `dtype` (its projections int8 with `weights_dtype` "int8") and its Mimi in fp32, random
-    weights drawn on the device (`draw_random_`)."""
+    """The preset's LM in `dtype` (its projections int8 with `weights_dtype` "int8") and its Mimi in fp32 (with the
+    LM's ring rule), random weights drawn on the device (`draw_random_`)."""
     lm = quantize_lm_(draw_random_(build_lm(PRESETS[preset], device=device, dtype=dtype), seed), weights_dtype)
-    mimi = MimiModel(MIMI_PRESETS[PRESET_MIMI[preset]]).init_weights_(seed).to(device)
+    mimi = MimiModel(mimi_ring_rule(MIMI_PRESETS[PRESET_MIMI[preset]], lm.cfg)).init_weights_(seed).to(device)
     return lm, mimi
 
 
@@ -302,7 +303,8 @@ def load_runtime(settings: ServerSettings) -> Runtime:
                 raise CheckpointError(str(e), e.option or "moshi_weight") from None
             logger.info("%s: loading Mimi from %s", step, files.mimi)
             try:
-                mimi = load_mimi(files.mimi, MIMI_PRESETS[files.mimi_preset], device=device, dtype=torch.float32)
+                mimi_cfg = mimi_ring_rule(MIMI_PRESETS[files.mimi_preset], lm.cfg)
+                mimi = load_mimi(files.mimi, mimi_cfg, device=device, dtype=torch.float32)
             except CheckpointError as e:
                 raise CheckpointError(str(e), e.option or "mimi_weight") from None
         check_tokenizer(tokenizer, lm.cfg, tokenizer_path)
