@@ -39,13 +39,7 @@ ROLE = "You are a wise and friendly teacher who answers questions about the weat
 VOICE_CODES = torch.randint(0, CFG.card, (5, 8), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models, hundreds of frames: one intra-op thread (two only spin against each other on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

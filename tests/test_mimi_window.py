@@ -35,13 +35,7 @@ from .test_mimi import FS, reference_stream, speech_like
 STEPS = DEMO_MIMI.downsample_stride  # transformer steps a frame writes (2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors, hundreds of frames: one intra-op thread (two only spin against each other on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------- the rule and the mask

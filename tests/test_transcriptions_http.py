@@ -20,7 +20,6 @@ import httpx2
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from websockets.asyncio.client import connect
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +34,7 @@ from .gemma4_ref import generate, load_reference  # noqa: E402
 from .live_server import running_server  # noqa: E402
 from .speech import TOLERANCE, compose, needs_espeak, speak, speak_all  # noqa: E402
 
-pytestmark = needs_espeak
+pytestmark = [needs_espeak, pytest.mark.usefixtures("one_thread")]
 KEY = "transcribe-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_NEW = 8
@@ -56,16 +55,6 @@ SERVER_ARGS = [
 ]
 PREROLL = VadConfig().samples(VadConfig().preroll_s)
 RATE, FRAME = 24_000, 1920
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The reference (Silero's 32 ms windows, the tiny decoder) runs 5x faster on one intra-op thread than on two
-    beside the server's process; restored for the other modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
