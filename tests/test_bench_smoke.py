@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.processes import in_session, stop
+from bench.processes import descendants, in_session, stop
 from duplexd.server.codec import libopus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,8 +320,6 @@ def test_bench_runs(name, runs):
 
 def wait_for_child(pid: int, marker: str, timeout: float = 300) -> None:
     """Until a process below `pid` whose command line holds `marker` is running."""
-    from bench.processes import descendants
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for child in descendants(pid):
