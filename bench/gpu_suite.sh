@@ -2,15 +2,14 @@
 # One prepared run of duplexd's GPU checks on a lent machine (one NVIDIA GPU, no network), from the repo root:
 #   0. install: the wheels of .whl/ (bench/gpu_wheels.sh, run beforehand where there is network) into a scratch
 #      --target on PYTHONPATH, then duplexd itself with --no-build-isolation --no-deps;
-#   1. the Triton kernel table (bench/gpu_kernels.py);
-#   2. the capacity sweep (bench/gpu_capacity.py: moshi-7b, random bf16 weights, full 3000-frame windows, the grid
+#   1. the capacity sweep (bench/gpu_capacity.py: moshi-7b, random bf16 weights, full 3000-frame windows, the grid
 #      1 8 32 48 64 72 80 then bisection up to what the KV pool admits);
-#   3. the persona prompt prefill (bench/prompt_prefill.py: PersonaPlex 7B's config, random bf16 weights, the real
+#   2. the Triton kernel table (bench/gpu_kernels.py);
+#   3. `duplexd serve --random-weights moshi-7b` with --max-sessions at the capacity found, and
+#      `duplexd loadtest --protocol realtime` with that many sessions for 45 s against it;
+#   4. the persona prompt prefill (bench/prompt_prefill.py: PersonaPlex 7B's config, random bf16 weights, the real
 #      Mimi config: time from session open to the first live output with a 200-frame prompt, prefilled against one
 #      frame per step, at batch 1 and beside 8 live sessions; goal <= 150 ms);
-#   4. `duplexd serve --random-weights moshi-7b` with --max-sessions at the capacity found, and
-#      `duplexd loadtest --protocol realtime` with that many sessions for 45 s against it (60 s before stage 3
-#      took its time from it);
 #   5. the 8-bit KV cache (bench/kv_dtype.py: sessions that fit at bf16 and int8, the Triton store against the
 #      torch reference for int8 and fp8, teacher-forced text-logit agreement of int8 against bf16 KV over 3100
 #      frames, p50/p99 step at 1, 64 and 128 sessions in full windows for each), in what is left of the budget;
@@ -32,7 +31,9 @@
 # Other knobs: PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3), WHEELS (default .whl),
 # SITE (default /tmp/duplexd-site), DEVICE, LOAD_SECONDS, CAPACITY_ARGS (replaces the sweep's arguments),
 # PREFILL_ARGS (replaces the prompt prefill bench's arguments), KV_ARGS (replaces the 8-bit KV bench's arguments),
-# W8_ARGS (replaces the 8-bit weights bench's arguments), STT_ARGS (replaces the STT streams' arguments).
+# W8_ARGS (replaces the 8-bit weights bench's arguments), STT_ARGS (replaces the STT streams' arguments),
+# SUITE_STAGES (some of: capacity kernels serve kv w8 stt prefill; install and the summary always run),
+# SERVE_SESSIONS (serve at this many sessions, not at the capacity the sweep found).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -67,9 +68,11 @@ if [ "$DRY" = 1 ]; then
   # Its limits only stop a hung stage: on a shared CPU under load a stage takes a minute for a free core's seconds.
   BUDGET=${SUITE_BUDGET:-2400}
   T_INSTALL=240 T_KERNELS=240 T_CAPACITY=240 T_PREFILL=240 T_READY=240 T_KV=240 T_W8=240 T_STT=240
+  MIN_install=0 MIN_capacity=20 MIN_kernels=20 MIN_serve=$((LOAD_SECONDS + 20)) MIN_prefill=20 MIN_kv=20 MIN_w8=20
+  MIN_stt=20
 else
   PRESET=moshi-7b DEVICE=${DEVICE:-cuda:0} LOAD_SECONDS=${LOAD_SECONDS:-45}
-  DEFAULT_CAPACITY="--preset moshi-7b --device $DEVICE --batches 1 8 32 48 64 72 80 --steps 200 --granularity 4"
+  DEFAULT_CAPACITY="--preset moshi-7b --device $DEVICE --batches 1 8 32 48 64 72 80 --steps 120 --granularity 4"
   # Batch 1 three times, then one round beside 8 live sessions (a partial JSON line is printed in between, so a
   # stage cut short still reports batch 1).
   DEFAULT_PREFILL="--preset personaplex-7b --device $DEVICE --dtype bfloat16 --repeats 3 --live 8 --live-repeats 1
@@ -86,12 +89,23 @@ else
   LOAD_CHECKS="--max-late-frac 0.01 --max-ttfa-ms 300 --max-refused 0 --max-errors 0"
   BUDGET=${SUITE_BUDGET:-560}
   T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=110 T_W8=100 T_STT=120
+  # The least a stage needs to say something (a stage cut short still reports what it finished): what the stages
+  # before it leave aside for it.
+  MIN_install=0 MIN_capacity=90 MIN_kernels=45 MIN_serve=$((LOAD_SECONDS + 70)) MIN_prefill=30 MIN_kv=60 MIN_w8=50
+  MIN_stt=60
 fi
 CAPACITY_ARGS=${CAPACITY_ARGS:-$DEFAULT_CAPACITY}
 PREFILL_ARGS=${PREFILL_ARGS:-$DEFAULT_PREFILL}
 KV_ARGS=${KV_ARGS:-$DEFAULT_KV}
 W8_ARGS=${W8_ARGS:-$DEFAULT_W8}
 STT_ARGS=${STT_ARGS:-$DEFAULT_STT}
+# The stages in the order they run: the Moshi capacity, the kernels and the served load test (at the capacity
+# found) first, then int8 KV, 8-bit weights, STT and the persona prefill. SUITE_STAGES picks some of them (a second call on a fresh machine runs the rest).
+ORDER="capacity kernels serve kv w8 stt prefill"
+SUITE_STAGES=${SUITE_STAGES:-$ORDER}
+for name in $SUITE_STAGES; do
+  case " $ORDER " in *" $name "*) ;; *) echo "unknown stage '$name' in SUITE_STAGES (stages: $ORDER)" >&2; exit 2 ;; esac
+done
 FIRST_FAILURE=0
 
 # Every process a stage started ends with the suite, however the suite ends. Stages run in the background and are
@@ -122,6 +136,22 @@ allow() {
   [ "$left" -lt "$limit" ] && limit=$left
   [ "$limit" -lt 5 ] && limit=5
   echo "$limit"
+}
+
+# Whether a stage is among SUITE_STAGES (default: all of ORDER).
+wanted() { case " $SUITE_STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+# Seconds kept back for the wanted stages after NAME: each one's smallest useful share (MIN_*).
+reserve() {
+  local name after=0 total=0 min
+  for name in install $ORDER; do
+    if [ "$after" = 1 ] && wanted "$name"; then
+      min="MIN_$name"
+      total=$((total + ${!min}))
+    fi
+    [ "$name" = "$1" ] && after=1
+  done
+  echo "$total"
 }
 
 # stage NAME LIMIT_S CMD...: run CMD under `timeout` with its output in NAME.log; record rc and seconds.
@@ -193,7 +223,7 @@ serve_and_load() {
   local n=$1 port server rc ready
   port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   # shellcheck disable=SC2086
-  ready=$(allow "$T_READY" $((LOAD_SECONDS + 30 + T_KV)))
+  ready=$(allow "$T_READY" $((LOAD_SECONDS + 30 + $(reserve serve))))
   timeout -k 10 "$((ready + LOAD_SECONDS + 90))" "$PYTHON" -m duplexd serve --random-weights "$PRESET" \
     --device "$DEVICE" --max-sessions "$n" --port "$port" --static none --idle-timeout 30 \
     > "$DIR/serve.log" 2>&1 &
@@ -225,7 +255,7 @@ EOF
   fi
   say "serve: ready; loadtest: $n sessions, realtime, ${LOAD_SECONDS}s"
   # shellcheck disable=SC2086
-  stage loadtest "$(allow $((LOAD_SECONDS + 60)) $((5 + T_KV)))" "$PYTHON" -m duplexd loadtest \
+  stage loadtest "$(allow $((LOAD_SECONDS + 60)) "$(reserve serve)")" "$PYTHON" -m duplexd loadtest \
     --url "ws://127.0.0.1:$port" --protocol realtime --sessions "$n" --duration "$LOAD_SECONDS" --quiet \
     --json "$DIR/loadtest.json" --plot "$DIR/loadtest.png" $LOAD_CHECKS
   rc=$?
@@ -244,46 +274,64 @@ say "out: $DIR; python: $PYTHON; dry run: $DRY; budget ${BUDGET}s"
 t0=$(date +%s)
 say "install: start"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"  # the wheels install puts there, for every later stage
-install "$(allow "$T_INSTALL" $((380 + T_KV)))" > "$DIR/install.log" 2>&1 &
+install "$(allow "$T_INSTALL" "$(reserve install)")" > "$DIR/install.log" 2>&1 &
 wait $!
 record install $? "$(($(date +%s) - t0))"
 
-stage gpu_kernels "$(allow "$T_KERNELS" $((300 + T_KV)))" "$PYTHON" bench/gpu_kernels.py
-tail -n 60 "$DIR/gpu_kernels.log" | grep -v '^{' | tail -n 45
-
-# shellcheck disable=SC2086
-stage gpu_capacity "$(allow "$T_CAPACITY" $((LOAD_SECONDS + 90 + T_PREFILL + T_KV)))" \
-  "$PYTHON" bench/gpu_capacity.py $CAPACITY_ARGS --out "$DIR"
-grep -E '^(batch |capacity|FAILED|note|models)' "$DIR/gpu_capacity.log" | tail -n 25
-
-# shellcheck disable=SC2086
-stage prompt_prefill "$(allow "$T_PREFILL" $((LOAD_SECONDS + 90 + T_KV)))" "$PYTHON" bench/prompt_prefill.py $PREFILL_ARGS
-grep -E '^(\||persona|batch 1|[0-9]+ live|no CUDA)' "$DIR/prompt_prefill.log" | tail -n 12
-
-read -r SESSIONS BASIS <<< "$(capacity)"
-if [ -n "${SESSIONS:-}" ]; then
-  echo "serving at $SESSIONS sessions ($BASIS)" > "$DIR/serve_basis.txt"
-  t0=$(date +%s)
-  serve_and_load "$SESSIONS"
-  rc=$?
-  record serve "$rc" "$(($(date +%s) - t0))"
-else
-  echo "no capacity to serve at (see gpu_capacity.log)" > "$DIR/serve_basis.txt"
-  record serve 3 0
+if wanted capacity; then
+  # shellcheck disable=SC2086
+  stage gpu_capacity "$(allow "$T_CAPACITY" "$(reserve capacity)")" \
+    "$PYTHON" bench/gpu_capacity.py $CAPACITY_ARGS --out "$DIR"
+  grep -E '^(batch |capacity|FAILED|note|models)' "$DIR/gpu_capacity.log" | tail -n 25
 fi
 
-# shellcheck disable=SC2086
-stage kv_dtype "$(allow "$T_KV" $((5 + T_W8)))" "$PYTHON" bench/kv_dtype.py $KV_ARGS --out "$DIR"
-grep -E '^(capacity|write|agreement|steps|no CUDA)' "$DIR/kv_dtype.log" | tail -n 12
+if wanted kernels; then
+  stage gpu_kernels "$(allow "$T_KERNELS" "$(reserve kernels)")" "$PYTHON" bench/gpu_kernels.py
+  tail -n 60 "$DIR/gpu_kernels.log" | grep -v '^{' | tail -n 45
+fi
 
-# shellcheck disable=SC2086
-stage weights_dtype "$(allow "$T_W8" 65)" "$PYTHON" bench/weights_dtype.py $W8_ARGS --out "$DIR"
-grep -E '^(capacity|kernel|steps|agreement|no CUDA)' "$DIR/weights_dtype.log" | tail -n 60
+if wanted serve; then
+  if [ -n "${SERVE_SESSIONS:-}" ]; then
+    SESSIONS=$SERVE_SESSIONS BASIS="SERVE_SESSIONS, given"
+  else
+    read -r SESSIONS BASIS <<< "$(capacity)"
+  fi
+  if [ -n "${SESSIONS:-}" ]; then
+    echo "serving at $SESSIONS sessions ($BASIS)" > "$DIR/serve_basis.txt"
+    t0=$(date +%s)
+    serve_and_load "$SESSIONS"
+    rc=$?
+    record serve "$rc" "$(($(date +%s) - t0))"
+  else
+    echo "no capacity to serve at (see gpu_capacity.log)" > "$DIR/serve_basis.txt"
+    record serve 3 0
+  fi
+fi
 
-mkdir -p "$DIR/stt"
-# shellcheck disable=SC2086
-stage stt_capacity "$(allow "$T_STT" 5)" "$PYTHON" bench/gpu_capacity.py $STT_ARGS --out "$DIR/stt"
-grep -E '^(batch |capacity|FAILED|note)' "$DIR/stt_capacity.log" | tail -n 20
+if wanted kv; then
+  # shellcheck disable=SC2086
+  stage kv_dtype "$(allow "$T_KV" "$(reserve kv)")" "$PYTHON" bench/kv_dtype.py $KV_ARGS --out "$DIR"
+  grep -E '^(capacity|write|agreement|steps|no CUDA)' "$DIR/kv_dtype.log" | tail -n 12
+fi
+
+if wanted w8; then
+  # shellcheck disable=SC2086
+  stage weights_dtype "$(allow "$T_W8" "$(reserve w8)")" "$PYTHON" bench/weights_dtype.py $W8_ARGS --out "$DIR"
+  grep -E '^(capacity|kernel|steps|agreement|no CUDA)' "$DIR/weights_dtype.log" | tail -n 60
+fi
+
+if wanted stt; then
+  mkdir -p "$DIR/stt"
+  # shellcheck disable=SC2086
+  stage stt_capacity "$(allow "$T_STT" "$(reserve stt)")" "$PYTHON" bench/gpu_capacity.py $STT_ARGS --out "$DIR/stt"
+  grep -E '^(batch |capacity|FAILED|note)' "$DIR/stt_capacity.log" | tail -n 20
+fi
+
+if wanted prefill; then
+  # shellcheck disable=SC2086
+  stage prompt_prefill "$(allow "$T_PREFILL" "$(reserve prefill)")" "$PYTHON" bench/prompt_prefill.py $PREFILL_ARGS
+  grep -E '^(\||persona|batch 1|[0-9]+ live|no CUDA)' "$DIR/prompt_prefill.log" | tail -n 12
+fi
 
 "$PYTHON" bench/gpu_summary.py "$DIR" > "$DIR/summary.log" 2>&1 || record summary $? 0
 say "done in $(($(date +%s) - STARTED)) s; everything is in $DIR"

@@ -84,6 +84,32 @@ class HostWork(TorchDispatchMode):
         super().__init__()
         self.ops: list[HostOp] = []
 
+    def __enter__(self):
+        self._setitem = torch.Tensor.__setitem__
+
+        def setitem(tensor: torch.Tensor, index, value) -> None:  # a function: the class calls it with the tensor
+            self._check_setitem(tensor, index, value)
+            self._setitem(tensor, index, value)
+
+        torch.Tensor.__setitem__ = setitem  # type: ignore[method-assign, assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.__setitem__ = self._setitem  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def _check_setitem(self, tensor: torch.Tensor, index, value) -> None:
+        """`t[tensor_index] = False` on a CUDA tensor makes the value on the host and index_put copies it over (from
+        pageable memory, which a graph cannot capture); on `meta` torch makes it on `meta`, so no dispatched op shows
+        it: it is caught here, from the Python side."""
+        parts = index if isinstance(index, tuple) else (index,)
+        if (
+            tensor.device.type != "cpu"
+            and isinstance(value, (bool, int, float))
+            and any(isinstance(part, torch.Tensor) or isinstance(part, list) for part in parts)
+        ):
+            self.ops.append(HostOp("sync", "t[tensor index] = Python scalar (a host value copied over)", _caller()))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [a for a in args if isinstance(a, torch.Tensor)]

@@ -155,6 +155,7 @@ def kv_stage(run: Path, out: str) -> None:
 
 TINY_SUITE = {
     "GPU_SUITE_DRY": "1",
+    "WHEELS": "/nonexistent",  # the device machine's wheels (.whl/, for its Python) are not this Python's
     "PYTHON": sys.executable,
     "CAPACITY_ARGS": "--preset demo --device cpu --batches 1 --steps 3 --max-sessions 1 --granularity 1 "
     "--budget-ms 1e6 --timeout 60",

@@ -46,6 +46,7 @@ def no_launch(monkeypatch) -> list[str]:
 
 def test_host_work_catches_what_it_should():
     x = torch.arange(6, device="meta")
+    setitem = torch.Tensor.__setitem__
     with HostWork() as mode:
         int(x.max())
         x.nonzero()
@@ -54,7 +55,12 @@ def test_host_work_catches_what_it_should():
         torch.tensor([1, 2])
         x[1:3]  # a view: nothing
         x + 1  # device work: nothing
-    assert [op.kind for op in mode.ops] == ["sync", "sync", "sync", "cpu", "sync", "cpu"], mode.ops
+        x[x.argmax()[None]] = 0  # on CUDA the 0 is made on the host and copied: a graph capture fails there
+        x[1] = 0  # a fill with a scalar argument: nothing
+        x[x.argmax()[None]] = torch.zeros(1, dtype=x.dtype, device=x.device)  # a device value: nothing
+    assert [op.kind for op in mode.ops] == ["sync", "sync", "sync", "cpu", "sync", "cpu", "sync"], mode.ops
+    assert "= Python scalar" in mode.ops[-1].op
+    assert torch.Tensor.__setitem__ is setitem  # the mode puts indexing back on exit
     assert all("test_frame_host_sync" not in op.where for op in mode.ops)  # only duplexd's own lines are named
 
 

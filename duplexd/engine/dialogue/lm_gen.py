@@ -222,7 +222,8 @@ class LMGen:
         target = (offsets % ct)[:, None]
         forced = self.forced[rows, gen_streams[None, :], target]
         generated = torch.where(forced, ring[rows, gen_streams[None, :], target], generated)
-        self.forced[rows, gen_streams[None, :], target] = False
+        # A device tensor, not `= False`: index_put copies a host value to the device, which a graph cannot capture.
+        self.forced[rows, gen_streams[None, :], target] = torch.zeros_like(forced)
         ring[rows, gen_streams[None, :], target] = generated
 
         read_at = (offsets[:, None] - cfg.max_delay + self.delays[gen_streams][None, :]) % ct
