@@ -88,7 +88,7 @@ else
     --max-sessions 1024 --position 749"
   LOAD_CHECKS="--max-late-frac 0.01 --max-ttfa-ms 300 --max-refused 0 --max-errors 0"
   BUDGET=${SUITE_BUDGET:-560}
-  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=110 T_W8=100 T_STT=120
+  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=170 T_W8=100 T_STT=120
   # The least a stage needs to say something (a stage cut short still reports what it finished): what the stages
   # before it leave aside for it.
   MIN_install=0 MIN_capacity=90 MIN_kernels=45 MIN_serve=$((LOAD_SECONDS + 70)) MIN_prefill=30 MIN_kv=60 MIN_w8=50

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from duplexd.engine.kv.paged import PagedKVCache
 from duplexd.kernels.kv_quant import (
@@ -73,6 +74,34 @@ def test_rounding_rule_and_zero_vectors():
     assert (codes.abs().amax(-1) == 127).all() and codes.min() >= -127
     err = (dequantize(codes, scales) - x).abs()
     assert (err <= scales[:, None] / 2 * (1 + 1e-6)).all()  # round to nearest: at most half a step
+
+
+class _Divisions(TorchDispatchMode):
+    """Records each division's divisor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.divisors: list[object] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.div:
+            self.divisors.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_the_reference_divides_by_tensors(dtype):
+    """On CUDA, `tensor / python_float` is a multiply by the float's reciprocal, not the correctly rounded quotient
+    the kernel computes: on an H200 the reference's scales differed from the kernel's (360 of 8192 for int8, 4816
+    for fp8) while the CPU, which divides, agreed bit for bit. Every division of the rule takes a tensor divisor
+    (a 0-dim Python number would be a wrapped scalar)."""
+    x = torch.randn(4, 3, 16)
+    with _Divisions() as mode:
+        codes, scales = quantize_reference(x, dtype)
+    assert len(mode.divisors) == 2
+    assert all(isinstance(d, torch.Tensor) and d.dim() > 0 for d in mode.divisors), mode.divisors
+    amax = x.abs().amax(-1).double()
+    assert torch.equal(scales, (amax / QMAX[dtype]).float())  # correctly rounded: fp64 then one rounding to fp32
 
 
 def _e4m3fn_values() -> torch.Tensor:
