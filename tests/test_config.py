@@ -9,7 +9,16 @@ import pytest
 from moshi.models import loaders
 
 from duplexd.engine.errors import CheckpointError
-from duplexd.engine.models.config import DEMO, MOSHI_7B, PERSONAPLEX_7B, STT_1B, STT_2_6B, ConfigError, LMConfig
+from duplexd.engine.models.config import (
+    DEMO,
+    MOSHI_7B,
+    PERSONAPLEX_7B,
+    STT_1B,
+    STT_2_6B,
+    TTS_1_6B,
+    ConfigError,
+    LMConfig,
+)
 from duplexd.engine.weights.checkpoint import checkpoint_ring_rule, read_lm_config
 from duplexd.engine.weights.config_file import lm_config_from_dict
 
@@ -35,7 +44,11 @@ def test_demo_exercises_every_path():
     "change, message",
     [
         ({"norm": "layer_norm"}, "'norm'='layer_norm' is not supported"),
-        ({"depformer_weights_per_step_schedule": [0, 1, 1, 1, 1, 1, 1, 1]}, "belongs to Kyutai TTS or Hibiki models"),
+        (
+            {"conditioners": {"description": {"type": "lut", "lut": {"n_bins": 3, "dim": 4}}}},
+            "belongs to Hibiki models",
+        ),
+        ({"depformer_weights_per_step_schedule": [0, 1, 1]}, "has 3 entries, expected dep_q = 8"),
         ({"frobnicate": 1}, "unknown LM config key 'frobnicate'"),
         ({"delays": [0, 1]}, "delays has 2 entries"),
         ({"num_heads": 5}, "divisible"),
@@ -67,6 +80,7 @@ _MOSHI_FILES = {
     "mimi_name": "tokenizer-e351c8d8-checkpoint125.safetensors",
     "tokenizer_name": "tokenizer_spm_32k_3.model",
 }
+CFG_VALUES = [f"{x / 2:.1f}" for x in range(2, 9)]  # the distilled CFG coefficients, "1.0" ... "4.0"
 # Older releases' defaults, as published config files and NVIDIA's fork still hold them.
 _OLDER_MOSHI = {**loaders._lm_kwargs, "depformer_causal": True, "depformer_context": 8}
 _STT_COMMON = {
@@ -142,8 +156,29 @@ PUBLISHED = {
         "depformer_low_rank_embeddings": 128,
         "demux_second_stream": True,
         "cross_attention": True,
-        "conditioners": {"speaker_wavs": {"type": "tensor", "dim": 512}, "control": {"type": "lut", "dim": 2048}},
-        "fuser": {"cross_attention_pos_emb": True, "sum": ["control", "cfg"], "cross": ["speaker_wavs"]},
+        "conditioners": {
+            "speaker_wavs": {"type": "tensor", "tensor": {"dim": 512}},
+            "cfg": {
+                "type": "lut",
+                "lut": {
+                    "n_bins": 7,
+                    "dim": 16,
+                    "tokenizer": "noop",
+                    "possible_values": [f"{x / 2:.1f}" for x in range(2, 9)],
+                },
+            },
+            "control": {
+                "type": "lut",
+                "lut": {"n_bins": 1, "dim": 2048, "tokenizer": "noop", "possible_values": ["ok"]},
+            },
+        },
+        "fuser": {
+            "cross_attention_pos_emb": True,
+            "cross_attention_pos_emb_scale": 1,
+            "sum": ["control", "cfg"],
+            "prepend": [],
+            "cross": ["speaker_wavs"],
+        },
         "tts_config": {"audio_delay": 1.28, "second_stream_ahead": 2},
         "depformer_weights_per_step_schedule": list(range(8)) + [8] * 8 + [9] * 8 + [10] * 8,
         "model_type": "tts",
@@ -186,9 +221,9 @@ ACCEPTED = {
     "personaplex-7b-fork-defaults": dataclasses.replace(PERSONAPLEX_7B, ring_rule="moshi"),
     "stt-1b-en_fr": STT_1B,
     "stt-2.6b-en": STT_2_6B,
+    "tts-1.6b-en_fr": TTS_1_6B,
 }
 REFUSED = {
-    "tts-1.6b-en_fr": ("'depformer_low_rank_embeddings'=128", "Kyutai TTS"),
     "hibiki-1b": ("'conditioners'={'description'", "Hibiki"),
     "hibiki-zero-3b": ("'positional_embedding'='rope_concat'", "Hibiki-Zero"),
 }
@@ -239,5 +274,4 @@ def test_published_configs_of_other_families_are_refused_by_name(name, tmp_path)
 def test_the_renamed_demux_key_is_read_under_its_new_name(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**MOSHI_7B.to_reference_json(), "demux_second_stream": True}))
-    with pytest.raises(CheckpointError, match="'demux_second_stream'=True belongs to Kyutai TTS models"):
-        read_lm_config(path)
+    assert read_lm_config(path).demux_second_text_stream

@@ -38,6 +38,7 @@ from duplexd.kernels.sampling import sample
 from duplexd.kernels.text_penalties import repetition_penalty
 
 from ..kv.paged import PagedKVCache, window_pages
+from ..models.config import ConfigError
 from ..models.lm import DepformerOutput, LMModel
 from ..persona.prompt import PersonaPrompt, PromptChunk
 from .sampling import MAX_REPETITION_CONTEXT, SamplingParams
@@ -71,6 +72,8 @@ class LMGen:
         kv_dtype: str = "bf16",
     ) -> None:
         cfg = model.cfg
+        if cfg.speaks_text:
+            raise ConfigError("a text-to-speech model (Kyutai TTS) runs in engine.tts, not as a dialogue or STT model")
         device = model.text_emb.device
         self.model, self.cfg, self.num_slots = model, cfg, num_slots
         # PersonaPlex and STT read the user's audio one frame later than Moshi: its codes for frame n go to column

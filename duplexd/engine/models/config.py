@@ -59,6 +59,13 @@ class LMConfig:
     delays: tuple[int, ...] = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
     extra_heads_num_heads: int = 0
     extra_heads_dim: int = 6
+    # Kyutai TTS: the text input is two muxed streams (`(second + 1) * (text_card + 1) + main`), each temporal layer
+    # cross-attends to the voice, and the DepFormer shares weight sets between steps (`schedule[step]`) and embeds
+    # its input tokens at a low rank.
+    demux_second_text_stream: bool = False
+    cross_attention: bool = False
+    depformer_weights_per_step_schedule: tuple[int, ...] | None = None
+    depformer_low_rank_embeddings: int | None = None
     # Not a reference key: which ring KV cache the checkpoint's own server runs, chosen by the loader. "moshi"
     # (moshi 0.2.13) attends all `context` keys once the window is full; "personaplex" (NVIDIA's fork, which carries
     # moshi's older ring cache) gives the oldest entry a future position, so it attends `context - 1`.
@@ -66,6 +73,17 @@ class LMConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "delays", tuple(int(d) for d in self.delays))
+        schedule = self.depformer_weights_per_step_schedule
+        if schedule is not None:
+            schedule = tuple(int(k) for k in schedule)
+            object.__setattr__(self, "depformer_weights_per_step_schedule", schedule)
+            if len(schedule) != self.dep_q or min(schedule, default=0) < 0:
+                raise ConfigError(
+                    f"depformer_weights_per_step_schedule has {len(schedule)} entries, expected dep_q = {self.dep_q}"
+                    " weight-set indices >= 0"
+                )
+        if self.depformer_low_rank_embeddings is not None and self.depformer_low_rank_embeddings < 1:
+            raise ConfigError("depformer_low_rank_embeddings must be a positive rank")
         if len(self.delays) != self.num_codebooks:
             raise ConfigError(f"delays has {len(self.delays)} entries, expected n_q + 1 = {self.num_codebooks}")
         if self.dim % self.num_heads or self.depformer_dim % self.depformer_num_heads:
@@ -118,6 +136,22 @@ class LMConfig:
         return max(self.delays)
 
     @property
+    def depformer_weight_sets(self) -> int:
+        """DepFormer weight sets stored: one per step, or as many as the schedule names (11 for Kyutai TTS)."""
+        schedule = self.depformer_weights_per_step_schedule
+        return max(schedule) + 1 if schedule else self.agent_codebooks
+
+    def depformer_weight_set(self, step: int) -> int:
+        """The weight set DepFormer step `step` runs with."""
+        schedule = self.depformer_weights_per_step_schedule
+        return schedule[step] if schedule else step
+
+    @property
+    def text_in_card(self) -> int:
+        """Rows of the text input embedding (the text vocabulary and the initial token): what muxed ids divide by."""
+        return self.text_card + 1
+
+    @property
     def predicts_user_audio(self) -> bool:
         """The DepFormer also predicts the user's codebooks (`dep_q == n_q`: PersonaPlex).
 
@@ -125,7 +159,13 @@ class LMConfig:
         steps, so they never change what the agent says: duplexd runs only the agent's steps. Such a model also
         follows PersonaPlex's streaming rules (a persona prompt, and the user's audio read one frame later).
         """
-        return self.dep_q == self.n_q
+        return self.dep_q == self.n_q and not self.speaks_text
+
+    @property
+    def speaks_text(self) -> bool:
+        """A text-to-speech model (Kyutai TTS): its text is forced from the words to say, it takes no audio in, and
+        its DepFormer predicts every codebook (`dep_q == n_q`)."""
+        return self.cross_attention or self.demux_second_text_stream
 
     @property
     def text_only(self) -> bool:
@@ -180,6 +220,8 @@ class LMConfig:
         """The reference `config.json` form (LM kwargs); readable by both duplexd and `moshi`."""
         out = dataclasses.asdict(self)
         out["delays"] = list(self.delays)
+        if self.depformer_weights_per_step_schedule is not None:
+            out["depformer_weights_per_step_schedule"] = list(self.depformer_weights_per_step_schedule)
         del out["ring_rule"]  # duplexd's own: the reference knows one rule
         out.update(REFERENCE_FIXED)
         return out
@@ -237,6 +279,27 @@ STT_2_6B = dataclasses.replace(
 # Tiny STT of the same architecture: several layers and heads, 32 codebooks in, 4 VAD heads, and a window of 32
 # frames (2.56 s) so that sessions run past it. `text_card` is the demo tokenizer's, as for `DEMO`.
 DEMO_STT = dataclasses.replace(STT_1B, dim=128, text_card=1000, num_heads=4, num_layers=3, context=32)
+
+# Kyutai TTS 1.6B (`kyutai/tts-1.6b-en_fr`): no audio in, 32 codebooks out through a 4-layer DepFormer of 11 weight
+# sets, the text muxed with a lookahead stream, cross-attention to the voice in every temporal layer.
+TTS_1_6B = LMConfig(
+    dim=2048,
+    text_card=8000,
+    n_q=32,
+    dep_q=32,
+    num_heads=16,
+    num_layers=16,
+    context=500,
+    depformer_dim=1024,
+    depformer_dim_feedforward=3072,
+    depformer_num_heads=16,
+    depformer_num_layers=4,
+    delays=(0, 0) + (2,) * 31,
+    demux_second_text_stream=True,
+    cross_attention=True,
+    depformer_weights_per_step_schedule=tuple(range(8)) + (8,) * 8 + (9,) * 8 + (10,) * 8,
+    depformer_low_rank_embeddings=128,
+)
 
 PRESETS: dict[str, LMConfig] = {
     "moshi-7b": MOSHI_7B,

@@ -34,6 +34,7 @@ from .config import LMConfig
 from .int8_weights import Projection, Weight, projection
 
 NORM_EPS = 1e-8
+CROSS_NORM_EPS = 1e-5  # the reference's cross-attention LayerNorm
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -41,9 +42,10 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class TemporalLayer(nn.Module):
-    """Pre-norm block: RoPE self-attention over the slot's window, then the SiLU-gated MLP."""
+    """Pre-norm block: RoPE self-attention over the slot's window, then (Kyutai TTS) cross-attention to the slot's
+    voice behind a LayerNorm, then the SiLU-gated MLP."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, cross: bool = False) -> None:
         super().__init__()
         self.attn_norm = _param(dim)
         self.wqkv = _param(dim, 3 * dim)
@@ -51,11 +53,17 @@ class TemporalLayer(nn.Module):
         self.mlp_norm = _param(dim)
         self.w_in = _param(dim, 2 * hidden)
         self.w_out = _param(hidden, dim)
+        if cross:
+            self.cross_norm = _param(dim)
+            self.cross_norm_bias = _param(dim)
+            # [q | k | v] as the reference stores it; the voice's keys and values are computed once per session
+            self.cross_wqkv = _param(dim, 3 * dim)
+            self.cross_wo = _param(dim, dim)
 
 
 class DepformerLayer(nn.Module):
-    """DepFormer block; attention and MLP weights have a leading axis of steps (one per agent codebook), norms
-    are shared."""
+    """DepFormer block; attention and MLP weights have a leading axis of weight sets (one per agent codebook, or
+    fewer shared by a schedule: `LMConfig.depformer_weight_set`), norms are shared."""
 
     def __init__(self, steps: int, dim: int, hidden: int) -> None:
         super().__init__()
@@ -82,6 +90,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.T
     return (torch.softmax(scores, dim=-1).unsqueeze(-2) @ values).squeeze(-2)
 
 
+def cross_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Single-query attention q [B, H, D] over every key of keys, values [B, H, S, D] (a voice: no mask, no RoPE)."""
+    return F.scaled_dot_product_attention(q[:, :, None], keys, values)[:, :, 0]
+
+
 @dataclass
 class DepformerOutput:
     tokens: torch.Tensor  # [B, agent_codebooks] sampled audio tokens
@@ -99,19 +112,30 @@ class LMModel(nn.Module):
         # the user's codes: they are not built (`LMConfig.predicts_user_audio`).
         d, dd, q = cfg.dim, cfg.depformer_dim, cfg.agent_codebooks
         self.text_emb = _param(cfg.text_card + 1, d)
+        if cfg.demux_second_text_stream:  # the muxed streams share the table, each with its own output matrix
+            self.text_out1 = _param(d, d)
+            self.text_out2 = _param(d, d)
         self.audio_emb = _param(cfg.n_q, cfg.card + 1, d)
-        self.layers = nn.ModuleList(TemporalLayer(d, cfg.hidden) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TemporalLayer(d, cfg.hidden, cfg.cross_attention) for _ in range(cfg.num_layers))
         self.out_norm = _param(d)
         self.text_head = _param(d, cfg.text_card)
         # Kyutai STT 1B's semantic-VAD heads, [heads, dim, classes] ([in, out] per head); empty without them.
         self.extra_heads = _param(cfg.extra_heads_num_heads, d, cfg.extra_heads_dim)
         if cfg.text_only:  # no DepFormer parameters at all (`LMConfig.text_only`)
             return
-        self.dep_in = _param(q, d, dd)
-        self.dep_text_emb = _param(cfg.text_card + 1, dd)
-        self.dep_audio_emb = _param(q - 1, cfg.card + 1, dd)
+        sets, rank = cfg.depformer_weight_sets, cfg.depformer_low_rank_embeddings
+        self.dep_in = _param(sets, d, dd)
+        self.dep_text_emb = _param(cfg.text_card + 1, rank or dd)
+        if cfg.demux_second_text_stream:
+            self.dep_text_out1 = _param(rank or dd, dd)
+            self.dep_text_out2 = _param(rank or dd, dd)
+        elif rank:
+            self.dep_text_low_rank = _param(rank, dd)
+        self.dep_audio_emb = _param(q - 1, cfg.card + 1, rank or dd)
+        if rank:  # embeddings at the low rank, each codebook's own matrix up to the DepFormer's width
+            self.dep_audio_low_rank = _param(q - 1, rank, dd)
         self.dep_layers = nn.ModuleList(
-            DepformerLayer(q, dd, cfg.depformer_hidden) for _ in range(cfg.depformer_num_layers)
+            DepformerLayer(sets, dd, cfg.depformer_hidden) for _ in range(cfg.depformer_num_layers)
         )
         self.dep_heads = _param(q, dd, cfg.card)
 
@@ -143,24 +167,80 @@ class LMModel(nn.Module):
         rows = torch.arange(self.cfg.n_q, device=tokens.device) * (self.cfg.card + 1)
         audio_x = F.embedding(audio.clamp(min=0) + rows, self.audio_emb.flatten(0, 1))
         audio_x = audio_x.masked_fill((audio == -1).unsqueeze(-1), 0.0).sum(dim=1)
-        text_x = F.embedding(text.clamp(min=0), self.text_emb).masked_fill((text == -1).unsqueeze(-1), 0.0)
+        if self.cfg.demux_second_text_stream:
+            text_x = self.demux(text, self.text_emb, self.text_out1, self.text_out2)
+        else:
+            text_x = F.embedding(text.clamp(min=0), self.text_emb).masked_fill((text == -1).unsqueeze(-1), 0.0)
         return audio_x + text_x
 
+    def demux(self, tokens: torch.Tensor, table: torch.Tensor, out1: Weight, out2: Weight) -> torch.Tensor:
+        """The embedding of muxed text ids [B] (`(second + 1) * rows + main`, `rows` the table's): `out1` of the
+        main token's row plus `out2` of the second's; a second of -1 adds nothing, an id of -1 embeds as zero."""
+        rows = table.shape[0]
+        ids = tokens.clamp(min=0)
+        second = ids // rows - 1
+        main_x = self.project(F.embedding(ids % rows, table), out1)
+        second_x = self.project(F.embedding(second.clamp(min=0), table), out2)
+        y = main_x + second_x.masked_fill((second < 0).unsqueeze(-1), 0.0)
+        return y.masked_fill((tokens == -1).unsqueeze(-1), 0.0)
+
+    def depformer_text_embedding(self, text: torch.Tensor) -> torch.Tensor:
+        """The DepFormer's input embedding of the text token [B] (muxed for Kyutai TTS)."""
+        if self.cfg.demux_second_text_stream:
+            return self.demux(text, self.dep_text_emb, self.dep_text_out1, self.dep_text_out2)
+        x = F.embedding(text.clamp(min=0), self.dep_text_emb)
+        if self.cfg.depformer_low_rank_embeddings:
+            x = self.project(x.masked_fill((text == -1).unsqueeze(-1), 0.0), self.dep_text_low_rank)
+        return x
+
+    def depformer_audio_embedding(self, step: int, tokens: torch.Tensor) -> torch.Tensor:
+        """The DepFormer's input embedding of codebook `step`'s token [B], for step `step + 1`."""
+        x = F.embedding(tokens.clamp(min=0), self.dep_audio_emb[step]).masked_fill((tokens == -1).unsqueeze(-1), 0.0)
+        if self.cfg.depformer_low_rank_embeddings:
+            x = self.project(x, self.dep_audio_low_rank[step])
+        return x
+
+    def voice_keys_values(self, source: torch.Tensor) -> torch.Tensor:
+        """Each layer's cross-attention keys and values of a voice, source [S, dim] (Kyutai TTS): [layers, 2, heads,
+        S, head_dim], computed once when a session starts and kept for its every step."""
+        cfg = self.cfg
+        layers = cast(Sequence[TemporalLayer], self.layers)
+        kv = torch.stack([self.project(source, layer.cross_wqkv[:, cfg.dim :]) for layer in layers])  # [L, S, 2 dim]
+        return kv.view(len(layers), -1, 2, cfg.num_heads, cfg.head_dim).permute(0, 2, 3, 1, 4)
+
     def forward_text(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        view: PagedBatch,
+        voices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One temporal step. Returns the post-`out_norm` hidden state [B, dim] and text logits [B, text_card]."""
-        return self.forward_embeddings(self.embed(tokens), positions, cache, view)
+        """One temporal step. Returns the post-`out_norm` hidden state [B, dim] and text logits [B, text_card].
+        `voices` [layers, 2, B, heads, S, head_dim]: each row's voice keys and values (Kyutai TTS)."""
+        return self.forward_embeddings(self.embed(tokens), positions, cache, view, voices)
 
     def forward_embeddings(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        view: PagedBatch,
+        voices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_text` from the summed input embeddings x [B, dim]: a PersonaPlex voice preset stores its
-        prompt's first frames as such sums, not as tokens."""
-        h = self.temporal(x, positions, cache, view)
+        prompt's first frames as such sums, not as tokens; Kyutai TTS adds its conditioning vector."""
+        h = self.temporal(x, positions, cache, view, voices)
         return h, self.project(h, self.text_head)
 
-    def temporal(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, view: PagedBatch) -> torch.Tensor:
+    def temporal(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        view: PagedBatch,
+        voices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The temporal transformer over input embeddings x [B, dim], each row's key and value stored in the cache:
         the post-`out_norm` hidden state [B, dim]. A prompt's prefill needs only this (its tokens are given)."""
         cfg = self.cfg
@@ -170,10 +250,19 @@ class LMModel(nn.Module):
         last = len(layers) - 1
         project = self.project
         h = rms_norm(x, layers[0].attn_norm, NORM_EPS)
+        if cfg.cross_attention and voices is None:
+            raise ValueError("a cross-attention model needs each row's voice keys and values")
         for i, layer in enumerate(layers):
             qkv = project(h, layer.wqkv).view(-1, 3, heads, dh)
             attn = cache.attend_rotary(i, view, qkv[:, 0], qkv[:, 1], qkv[:, 2], cos, sin)
-            h, x = add_rms_norm(project(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
+            if voices is None:
+                h, x = add_rms_norm(project(attn.flatten(1), layer.wo), x, layer.mlp_norm, NORM_EPS)
+            else:
+                x = x + project(attn.flatten(1), layer.wo)
+                hc = F.layer_norm(x, (cfg.dim,), layer.cross_norm, layer.cross_norm_bias, CROSS_NORM_EPS)
+                q = project(hc, layer.cross_wqkv[:, : cfg.dim]).view(-1, heads, dh)
+                x = x + project(cross_attend(q, voices[i, 0], voices[i, 1]).flatten(1), layer.cross_wo)
+                h = rms_norm(x, layer.mlp_norm, NORM_EPS)
             next_norm = layers[i + 1].attn_norm if i < last else self.out_norm
             h, x = add_rms_norm(gated_mlp(h, layer.w_in, layer.w_out, project), x, next_norm, NORM_EPS)
         return h
@@ -187,26 +276,28 @@ class LMModel(nn.Module):
     def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
         """Run one sub-step per agent codebook; `sample(step, logits [B, card]) -> tokens [B]` picks each one.
 
-        Sub-step k uses weight set k and attends to sub-steps 0..k; it is fed `dep_in[k](hidden)` plus the
-        embedding of the token chosen just before it (the text token for k = 0).
+        Sub-step k uses weight set `LMConfig.depformer_weight_set(k)` (k unless a schedule shares sets) and its own
+        head, and attends to sub-steps 0..k; it is fed `dep_in[set](hidden)` plus the embedding of the token chosen
+        just before it (the text token for k = 0).
         """
         cfg = self.cfg
         q, heads, dh = cfg.agent_codebooks, cfg.depformer_num_heads, cfg.depformer_head_dim
         batch = hidden.shape[0]
         kv = hidden.new_empty(len(self.dep_layers), 2, batch, heads, q, dh)
-        prev = F.embedding(text_token, self.dep_text_emb)
+        prev = self.depformer_text_embedding(text_token)
         tokens, all_logits = [], []
         dep_layers = cast(Sequence[DepformerLayer], self.dep_layers)
         last = len(dep_layers) - 1
         project = self.project
         for step in range(q):
-            h, x = add_rms_norm(project(hidden, self.dep_in[step]), prev, dep_layers[0].attn_norm, NORM_EPS)
+            w = cfg.depformer_weight_set(step)
+            h, x = add_rms_norm(project(hidden, self.dep_in[w]), prev, dep_layers[0].attn_norm, NORM_EPS)
             for i, layer in enumerate(dep_layers):
-                qkv = project(h, layer.wqkv[step]).view(batch, 3, heads, dh)
+                qkv = project(h, layer.wqkv[w]).view(batch, 3, heads, dh)
                 kv[i, :, :, :, step] = qkv[:, 1:].transpose(0, 1)
                 attn = attend(qkv[:, 0], kv[i, 0, :, :, : step + 1], kv[i, 1, :, :, : step + 1])
-                h, x = add_rms_norm(project(attn.flatten(1), layer.wo[step]), x, layer.mlp_norm, NORM_EPS)
-                update = gated_mlp(h, layer.w_in[step], layer.w_out[step], project)
+                h, x = add_rms_norm(project(attn.flatten(1), layer.wo[w]), x, layer.mlp_norm, NORM_EPS)
+                update = gated_mlp(h, layer.w_in[w], layer.w_out[w], project)
                 if i < last:
                     h, x = add_rms_norm(update, x, dep_layers[i + 1].attn_norm, NORM_EPS)
                 else:
@@ -217,5 +308,5 @@ class LMModel(nn.Module):
             if want_logits:
                 all_logits.append(logits)
             if step + 1 < q:
-                prev = F.embedding(token, self.dep_audio_emb[step])
+                prev = self.depformer_audio_embedding(step, token)
         return DepformerOutput(torch.stack(tokens, 1), torch.stack(all_logits, 1) if want_logits else None)

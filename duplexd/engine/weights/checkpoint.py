@@ -103,6 +103,8 @@ def key_map(cfg: LMConfig, naming: str, sets: int | None = None) -> list[KeyMap]
         KeyMap("text_emb.weight", (cfg.text_card + 1, d), "text_emb"),
         _linear("text_linear.weight", (cfg.text_card, d), "text_head"),
     ]
+    if cfg.demux_second_text_stream:
+        rows += [_linear(f"text_emb.out{k}.weight", (d, d), f"text_out{k}") for k in (1, 2)]
     for i in range(cfg.num_layers):
         pre, dst = f"transformer.layers.{i}.", f"layers.{i}."
         attn = (
@@ -123,16 +125,42 @@ def key_map(cfg: LMConfig, naming: str, sets: int | None = None) -> list[KeyMap]
             _linear(pre + "gating.linear_in.weight", (2 * cfg.hidden, d), dst + "w_in"),
             _linear(pre + "gating.linear_out.weight", (d, cfg.hidden), dst + "w_out"),
         ]
+        if cfg.cross_attention:
+            cross = "cross_attention.in_projs.0.weight" if naming == "module" else "cross_attention.in_proj_weight"
+            out = "cross_attention.out_projs.0.weight" if naming == "module" else "cross_attention.out_proj.weight"
+            rows += [
+                KeyMap(pre + "norm_cross.weight", (d,), dst + "cross_norm"),
+                KeyMap(pre + "norm_cross.bias", (d,), dst + "cross_norm_bias"),
+                _linear(pre + cross, (3 * d, d), dst + "cross_wqkv"),
+                _linear(pre + out, (d, d), dst + "cross_wo"),
+            ]
     rows.append(KeyMap("out_norm.alpha", (1, 1, d), "out_norm"))
     heads = cfg.extra_heads_num_heads
     rows += [_linear(f"extra_heads.{k}.weight", (cfg.extra_heads_dim, d), "extra_heads", k) for k in range(heads)]
     if not q:  # a text-only model (Kyutai STT): no DepFormer
         return rows
-    rows += [_linear(f"depformer_in.{k}.weight", (dd, d), step("dep_in", k), k) for k in range(q)]
+    # Weight sets in the file (one a step, or the schedule's) and those duplexd loads (the agent's steps' sets).
+    sets, loaded = (
+        (cfg.depformer_weight_sets if cfg.depformer_weights_per_step_schedule else q),
+        cfg.depformer_weight_sets,
+    )
+    rank = cfg.depformer_low_rank_embeddings
+    rows += [_linear(f"depformer_in.{k}.weight", (dd, d), step("dep_in", k, loaded), k) for k in range(sets)]
     rows += [
-        KeyMap(f"depformer_emb.{k}.weight", (card + 1, dd), step("dep_audio_emb", k, run - 1), k) for k in range(q - 1)
+        KeyMap(f"depformer_emb.{k}.weight", (card + 1, rank or dd), step("dep_audio_emb", k, run - 1), k)
+        for k in range(q - 1)
     ]
-    rows.append(KeyMap("depformer_text_emb.weight", (cfg.text_card + 1, dd), "dep_text_emb"))
+    if rank:
+        rows += [
+            _linear(f"depformer_emb.{k}.low_rank.weight", (dd, rank), step("dep_audio_low_rank", k, run - 1), k)
+            for k in range(q - 1)
+        ]
+    rows.append(KeyMap("depformer_text_emb.weight", (cfg.text_card + 1, rank or dd), "dep_text_emb"))
+    if cfg.demux_second_text_stream:
+        rows += [_linear(f"depformer_text_emb.out{k}.weight", (dd, rank or dd), f"dep_text_out{k}") for k in (1, 2)]
+    if rank:  # the reference builds it with the demux too, where it goes unused
+        unused = cfg.demux_second_text_stream
+        rows.append(_linear("depformer_text_emb.low_rank.weight", (dd, rank), None if unused else "dep_text_low_rank"))
     hid = cfg.depformer_hidden
     lead = run if q > run else None
     for i in range(cfg.depformer_num_layers):
@@ -143,23 +171,29 @@ def key_map(cfg: LMConfig, naming: str, sets: int | None = None) -> list[KeyMap]
         ]
         if naming == "module":
             rows += [
-                _linear(pre + f"self_attn.in_projs.{k}.weight", (3 * dd, dd), step(dst + "wqkv", k), k)
-                for k in range(q)
+                _linear(pre + f"self_attn.in_projs.{k}.weight", (3 * dd, dd), step(dst + "wqkv", k, loaded), k)
+                for k in range(sets)
             ]
             rows += [
-                _linear(pre + f"self_attn.out_projs.{k}.weight", (dd, dd), step(dst + "wo", k), k) for k in range(q)
+                _linear(pre + f"self_attn.out_projs.{k}.weight", (dd, dd), step(dst + "wo", k, loaded), k)
+                for k in range(sets)
             ]
         else:
             rows += [
                 KeyMap(
-                    pre + "self_attn.in_proj_weight", (q * 3 * dd, dd), dst + "wqkv", None, True, lead and lead * 3 * dd
+                    pre + "self_attn.in_proj_weight",
+                    (sets * 3 * dd, dd),
+                    dst + "wqkv",
+                    None,
+                    True,
+                    lead and lead * 3 * dd,
                 ),
-                KeyMap(pre + "self_attn.out_proj.weight", (q * dd, dd), dst + "wo", None, True, lead and lead * dd),
+                KeyMap(pre + "self_attn.out_proj.weight", (sets * dd, dd), dst + "wo", None, True, lead and lead * dd),
             ]
-        for k in range(q):
+        for k in range(sets):
             rows += [
-                _linear(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), step(dst + "w_in", k), k),
-                _linear(pre + f"gating.{k}.linear_out.weight", (dd, hid), step(dst + "w_out", k), k),
+                _linear(pre + f"gating.{k}.linear_in.weight", (2 * hid, dd), step(dst + "w_in", k, loaded), k),
+                _linear(pre + f"gating.{k}.linear_out.weight", (dd, hid), step(dst + "w_out", k, loaded), k),
             ]
     rows += [_linear(f"linears.{k}.weight", (card, dd), step("dep_heads", k), k) for k in range(q)]
     return rows
@@ -230,6 +264,7 @@ def load_mapped(
     rows_for: Callable[[str], list[KeyMap]],
     normalise: Callable[[str], str] = _normalise,
     what: str = "",
+    ignore: Callable[[str], bool] = lambda key: False,
 ) -> str:
     """Fill `tensors` (by duplexd name) from the safetensors file at `path` through a key map.
 
@@ -241,7 +276,7 @@ def load_mapped(
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
     with handle as f:
-        original = {normalise(k): k for k in f.keys()}
+        original = {normalise(k): k for k in f.keys() if not ignore(k)}
         naming = detect_naming(set(original))
         expected = {row.key: row for row in rows_for(naming)}
         missing = set(expected) - set(original)
@@ -374,12 +409,24 @@ def load_lm_weights(model: LMModel, path: Path) -> str:
             raise CheckpointError(f"{path}: {_few(floats)} stored as int8 but loaded as float")
         return rows
 
-    naming = load_mapped(tensors, path, rows_for)
+    naming = load_mapped(tensors, path, rows_for, ignore=_conditioning_key if model.cfg.speaks_text else _no_key)
     for name in int8:
         weight = model.get_submodule(name)
         assert isinstance(weight, Int8Weight)
         weight.set_from_absmax_()
     return naming
+
+
+def _conditioning_key(key: str) -> bool:
+    """A Kyutai TTS file's conditioner weights, which `tts.checkpoint` loads, not the LM."""
+    return key.startswith(CONDITIONING_PREFIX)
+
+
+def _no_key(key: str) -> bool:
+    return False
+
+
+CONDITIONING_PREFIX = "condition_provider.conditioners."
 
 
 def stored_int8(cfg: LMConfig, path: Path) -> set[str]:

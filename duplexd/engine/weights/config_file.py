@@ -24,10 +24,6 @@ REFERENCE_DEFAULTS: dict[str, Any] = {
     "norm_emb": False,
     "bias_proj": False,
     "depformer_norm": None,
-    "depformer_weights_per_step_schedule": None,
-    "depformer_low_rank_embeddings": None,
-    "demux_second_text_stream": False,
-    "cross_attention": False,
     "conditioners": None,
     "fuser": None,
     "lora": False,
@@ -112,6 +108,8 @@ def lm_config_from_dict(raw: dict[str, Any]) -> LMConfig:
     for key, value in raw.items():
         if key in fields:
             kwargs[key] = value
+        elif key in ("conditioners", "fuser") and model_family(raw, key) == "Kyutai TTS":
+            continue  # the TTS model's conditioning, read by `engine.tts.config`
         elif key in REFERENCE_FIXED or key in REFERENCE_DEFAULTS:
             allowed = REFERENCE_FIXED.get(key, REFERENCE_DEFAULTS.get(key))
             if value != allowed and not (key == "text_card_out" and value == raw.get("text_card")):

@@ -182,6 +182,8 @@ def preflight(settings: ServerSettings) -> socket.socket:
     sock = bind(settings)
     try:
         cfg = None if settings.random_weights is not None else check_model_files(resolve_files(settings))
+        if cfg is not None and cfg.speaks_text:
+            raise CheckpointError("the model is a text-to-speech model (Kyutai TTS): duplexd does not serve those yet")
         check_voices_model(settings, cfg)
     except BaseException as e:
         sock.close()

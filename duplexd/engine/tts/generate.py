@@ -1,0 +1,166 @@
+"""Kyutai TTS generation over slots: each slot says its own words in its own voice, at its own position.
+
+A step is split in two around the host: the temporal step and the text sample run on the device, the sampled
+tokens come back (one small copy per step), each slot's `WordFeeder` turns its sample into the text the model reads,
+and that text goes up for the DepFormer, which samples the slot's 32 audio codebooks. The audio of a slot's first
+`delay + delay_steps` steps (its codebook's delay plus the audio delay) is forced to the zero token, as moshi's
+`TTSModel` does. Outputs are realigned as moshi's `LMGen` returns them: row n, given at step n + max_delay, holds
+the text read at step n and the audio of the same frame (`TTSResult.frames`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from duplexd.kernels.sampling import sample
+
+from ..kv.paged import window_pages
+from ..models.lm import LMModel
+from .conditioning import Conditioner
+from .config import TTSConfig
+from .words import Word, WordFeeder, WordState
+
+UNGENERATED = -2
+TEXT_TOP_K, AUDIO_TOP_K = 25, 250  # moshi's LMGen defaults, which its TTSModel keeps
+
+
+@dataclass(frozen=True)
+class Voice:
+    """A session's conditioning: 1 to 5 voice embeddings [speaker_dim, frames] and its table values (the distilled
+    CFG coefficient as the `cfg` table spells it, "2.0" by default)."""
+
+    embeddings: tuple[torch.Tensor, ...]
+    values: tuple[tuple[str, str | None], ...] = (("control", "ok"), ("cfg", "2.0"))
+
+
+@dataclass
+class TTSResult:
+    """What `generate` returns for one slot, as moshi's `TTSResult` holds it for one batch item."""
+
+    frames: list[list[int]] = field(default_factory=list)  # [1 + dep_q] a row: muxed text, then audio (-1 early)
+    end_step: int | None = None
+    consumed_at: list[int] = field(default_factory=list)
+    transcript: list[tuple[str, int]] = field(default_factory=list)
+
+
+class TTSGen:
+    """Per-slot state of `num_slots` TTS sessions sharing one model (offline: every slot owns a whole window)."""
+
+    def __init__(
+        self,
+        model: LMModel,
+        conditioner: Conditioner,
+        tts: TTSConfig,
+        num_slots: int,
+        page_size: int = 16,
+        max_padding: int = 8,
+        initial_padding: int = 2,
+    ) -> None:
+        cfg = model.cfg
+        if not cfg.speaks_text:
+            raise ValueError("TTSGen needs a text-to-speech model (cross-attention, muxed text)")
+        device = model.text_emb.device
+        self.model, self.cfg, self.tts, self.conditioner = model, cfg, tts, conditioner
+        self.feeder = WordFeeder(cfg.text_in_card, tts.second_stream_ahead, max_padding, initial_padding)
+        self.ring_size = cfg.max_delay + 2
+        rows = num_slots
+        self.ring = torch.full((rows, cfg.num_codebooks, self.ring_size), UNGENERATED, device=device)
+        self.offsets = torch.zeros(rows, dtype=torch.long, device=device)
+        self.kv = model.new_kv_cache(num_slots, num_slots * window_pages(cfg.context, page_size), page_size)
+        for slot in range(num_slots):
+            self.kv.allocate(slot)
+        sources = tts.max_speakers * tts.speaker_frames
+        self.voices = torch.zeros(
+            cfg.num_layers, 2, rows, cfg.num_heads, sources, cfg.head_dim, dtype=model.text_emb.dtype, device=device
+        )
+        self.sums = torch.zeros(rows, cfg.dim, dtype=model.text_emb.dtype, device=device)
+        self.delays = torch.tensor(cfg.delays, device=device)
+        self.initial = torch.tensor([cfg.text_initial_token_id] + [cfg.initial_token_id] * cfg.n_q, device=device)
+        self.temperature = torch.zeros(rows, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
+        self.states: list[WordState | None] = [None] * num_slots
+
+    def start(self, slot: int, words: Sequence[Word], voice: Voice, temperature: float = 0.0, seed: int = 0) -> None:
+        """A new session in `slot`: its words, its voice's keys and values and its sum vector, from position 0."""
+        model = self.model
+        dtype, device = model.text_emb.dtype, model.text_emb.device
+        source = self.conditioner.cross_source(list(voice.embeddings)).to(device, dtype)
+        self.voices[:, :, slot] = model.voice_keys_values(source)
+        self.sums[slot] = self.conditioner.sum_vector(dict(voice.values)).to(device, dtype)
+        self.ring[slot] = UNGENERATED
+        self.offsets[slot] = 0
+        self.kv.upload(slot)
+        self.temperature[slot] = temperature
+        self.seeds[slot] = seed
+        self.states[slot] = self.feeder.start(words)
+
+    @torch.no_grad()
+    def step(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance `slots` one frame: rows [B, 1 + dep_q] (UNGENERATED until a slot's delays have passed), valid [B]."""
+        cfg, ring, ct, model = self.cfg, self.ring, self.ring_size, self.model
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.offsets.device)
+        offsets = self.offsets[index]
+        column = ring[index, :, :].gather(2, (offsets % ct)[:, None, None].expand(-1, cfg.num_codebooks, 1))[..., 0]
+        tokens_in = torch.where(offsets[:, None] <= self.delays[None, :], self.initial[None, :], column)
+        x = model.embed(tokens_in) + self.sums[index]
+        hidden, logits = model.forward_embeddings(
+            x, offsets, self.kv, self.kv.batch(index, offsets), self.voices[:, :, index]
+        )
+        temperature, seeds = self.temperature[index], self.seeds[index]
+        sampled = sample(logits, temperature, torch.full_like(offsets, TEXT_TOP_K), seeds, offsets, 0)
+        read = []  # the host's part of the step: each slot's words decide the text the model reads
+        for slot, offset, token in zip(slots, offsets.tolist(), sampled.tolist(), strict=True):
+            state = self.states[slot]
+            if state is None:
+                raise ValueError(f"slot {slot} has no session")
+            read.append(self.feeder.next_token(offset, state, token)[0])
+        text = torch.tensor(read, device=index.device)
+        top_k = torch.full_like(offsets, AUDIO_TOP_K)
+        audio = model.forward_depformer(
+            hidden, text, lambda step, lg: sample(lg, temperature, top_k, seeds, offsets, 1 + step)
+        ).tokens
+        silent = offsets[:, None] < self.delays[None, 1:] + self.tts.delay_steps
+        audio = audio.masked_fill(silent, -1)
+        offsets = offsets + 1
+        self.offsets[index] = offsets
+        at = (offsets % ct)[:, None, None]
+        ring[index, :, :] = ring[index, :, :].scatter(
+            2, at.expand(-1, cfg.num_codebooks, 1), torch.cat([text[:, None], audio], dim=1)[..., None]
+        )
+        read_at = (offsets[:, None] - cfg.max_delay + self.delays[None, :]) % ct
+        out = ring[index, :, :].gather(2, read_at[..., None])[..., 0]
+        valid = offsets > cfg.max_delay
+        return out.masked_fill(~valid[:, None], UNGENERATED), valid
+
+
+def generate(
+    gen: TTSGen,
+    scripts: Sequence[Sequence[Word]],
+    voices: Sequence[Voice],
+    temperature: float = 0.0,
+    final_padding: int = 4,
+    max_steps: int = 30000,
+) -> list[TTSResult]:
+    """Say each script in its voice, one slot each, stepping them together until all have ended, as moshi's
+    `TTSModel.generate` does (its frames, end steps, consumption steps and transcript per script)."""
+    slots = list(range(len(scripts)))
+    for slot, (words, voice) in enumerate(zip(scripts, voices, strict=True)):
+        gen.start(slot, words, voice, temperature)
+    results = [TTSResult() for _ in slots]
+    for offset in range(max_steps):
+        states = [gen.states[slot] for slot in slots]
+        ends = [state.end_step for state in states if state is not None]
+        if len(ends) == len(slots) and all(end is not None for end in ends):
+            if offset >= max(e for e in ends if e is not None) + gen.tts.delay_steps + final_padding:
+                break
+        out, valid = gen.step(slots)
+        for result, row, ok in zip(results, out.tolist(), valid.tolist(), strict=True):
+            if ok:
+                result.frames.append(row)
+    for result, state in zip(results, (gen.states[slot] for slot in slots), strict=True):
+        assert state is not None
+        result.end_step, result.consumed_at, result.transcript = state.end_step, state.consumed_at, state.transcript
+    return results

@@ -1,0 +1,274 @@
+"""Kyutai TTS against moshi 0.2.13's `TTSModel.generate` (temperature 0, fp32, CPU) on a perturbed random config
+that keeps every mechanism: cross-attention to the voice with its position embedding, the `control` and `cfg`
+tables summed in, the muxed second text stream, low-rank DepFormer embeddings, a weight schedule with unequal
+groups, delays [0, 0, 2, ...], an audio delay of 5 steps (not 16), and a 12-step context, so the window slides."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from moshi.models import loaders
+from moshi.models.tts import Entry, StateMachine, TokenIds, TTSModel, script_to_entries
+from safetensors.torch import save_file
+
+from duplexd.engine.tts.checkpoint import load_conditioner
+from duplexd.engine.tts.conditioning import Conditioner
+from duplexd.engine.tts.config import tts_config_from_dict
+from duplexd.engine.tts.generate import TTSGen, Voice, generate
+from duplexd.engine.tts.words import Word, WordFeeder, script_words
+from duplexd.engine.weights.checkpoint import load_lm
+from duplexd.engine.weights.config_file import lm_config_from_dict
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPEAKER_DIM, FRAMES = 8, 125
+CFG_VALUES = [f"{x / 2:.1f}" for x in range(2, 9)]  # "1.0" ... "4.0", as the released model
+RAW = {
+    "model_type": "tts",
+    "dim": 64,
+    "text_card": 40,
+    "n_q": 6,
+    "dep_q": 6,
+    "card": 50,
+    "num_heads": 4,
+    "num_layers": 3,
+    "hidden_scale": 4.125,
+    "context": 12,
+    "max_period": 10000,
+    "delays": [0, 0, 2, 2, 2, 2, 2],
+    "depformer_dim": 32,
+    "depformer_dim_feedforward": 96,
+    "depformer_num_heads": 2,
+    "depformer_num_layers": 2,
+    "depformer_weights_per_step": True,
+    "depformer_weights_per_step_schedule": [0, 1, 1, 2, 2, 2],
+    "depformer_low_rank_embeddings": 8,
+    "demux_second_stream": True,
+    "cross_attention": True,
+    "conditioners": {
+        "speaker_wavs": {"type": "tensor", "tensor": {"dim": SPEAKER_DIM}},
+        "cfg": {"type": "lut", "lut": {"n_bins": 7, "dim": 4, "tokenizer": "noop", "possible_values": CFG_VALUES}},
+        "control": {"type": "lut", "lut": {"n_bins": 1, "dim": 64, "tokenizer": "noop", "possible_values": ["ok"]}},
+    },
+    "fuser": {
+        "cross_attention_pos_emb": True,
+        "cross_attention_pos_emb_scale": 1,
+        "sum": ["control", "cfg"],
+        "prepend": [],
+        "cross": ["speaker_wavs"],
+    },
+    "tts_config": {"audio_delay": 0.4, "second_stream_ahead": 2},
+    "model_id": {"sig": "abcd1234", "epoch": 7},
+}
+DELAY_STEPS = 5  # int(0.4 * 12.5)
+
+
+def reference_kwargs(raw: dict) -> dict:
+    cfg = lm_config_from_dict(raw)
+    kwargs = cfg.to_reference_json()
+    kwargs.pop("demux_second_text_stream")
+    kwargs |= {k: raw[k] for k in ("conditioners", "fuser", "demux_second_stream", "depformer_weights_per_step")}
+    return copy.deepcopy(kwargs)
+
+
+@torch.no_grad()
+def reference_tts_lm(voice_path, seed: int = 0):
+    """moshi's LM for RAW with every weight redrawn (norms and LayerNorm parameters off 1 and 0, the conditioners'
+    padding rows and tables too) and the text head leaning to PAD and NEW_WORD, so the model's own samples start
+    words rather than the padding limit."""
+    torch.manual_seed(seed)
+    lm = loaders.get_moshi_lm(None, lm_kwargs=reference_kwargs(RAW), device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in lm.named_parameters():
+        if name.endswith("alpha") or name.endswith("norm_cross.weight"):
+            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("bias") or "learnt_padding" in name or "embed.weight" in name:
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        elif p.dim() == 2 and "emb" not in name:
+            p.copy_(1.5 * torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    lm.eval()
+    # PAD against NEW_WORD along one direction of the hidden state, its mean taken out (a calibration run): the
+    # state's side of it picks, and both outweigh the other text tokens.
+    hidden: list[torch.Tensor] = []
+    lm.text_linear.register_forward_hook(lambda module, args, out: hidden.append(args[0].reshape(-1, lm.dim)))
+    reference_generate(lm, [script_words([SCRIPTS[0]], encode)], [voice_path])
+    lm.text_linear._forward_hooks.clear()
+    states = torch.cat(hidden)
+    mean = states.mean(0)
+    u = torch.randn(lm.dim, generator=gen)
+    u -= (u @ mean) / (mean @ mean) * mean
+    u *= 4.0 / (states @ u).std()
+    lm.text_linear.weight[0], lm.text_linear.weight[3] = u, -u
+    return lm
+
+
+def encode(word: str) -> list[int]:
+    """A stand-in tokenizer: 1 to 3 ids in 4..39 from the word's letters (every letter counts)."""
+    h = sum((i + 1) * ord(c) for i, c in enumerate(word))
+    return [4 + (h * (7 + 2 * i) + i) % 36 for i in range(min(3, 1 + len(word) // 4))]
+
+
+class Tokenizer:
+    def encode(self, word: str) -> list[int]:  # moshi's script_to_entries calls tokenizer.encode
+        return encode(word)
+
+
+SCRIPTS = [
+    "Hello there, this is a (short) test: of the speech model’s words.",
+    'One two <break time="0.4s"/> three four five six seven.',
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tts")
+    voices = []
+    for k in range(2):
+        emb = torch.randn(1, SPEAKER_DIM, FRAMES, generator=torch.Generator().manual_seed(10 + k))
+        voice_path = tmp / f"voice{k}.safetensors"
+        save_file({"speaker_wavs": emb}, str(voice_path))
+        voices.append((emb[0], voice_path))
+    ref = reference_tts_lm(voices[0][1])
+    path = tmp / "tts.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    (tmp / "config.json").write_text(json.dumps(RAW))
+    cfg = lm_config_from_dict(RAW)
+    tts = tts_config_from_dict(RAW)
+    assert tts is not None and tts.delay_steps == DELAY_STEPS
+    model = load_lm(path, cfg)
+    conditioner = Conditioner(tts, cfg.dim)
+    load_conditioner(conditioner, path)
+    return ref, model, conditioner, tts, voices
+
+
+def reference_generate(ref_lm, scripts: list[list[Word]], voice_paths, cfg_coef: float = 2.0):
+    machine = StateMachine(TokenIds(RAW["text_card"] + 1), second_stream_ahead=2, max_padding=8, initial_padding=2)
+    tts = TTSModel(
+        lm=copy.deepcopy(ref_lm),
+        mimi=None,  # type: ignore[arg-type]  # generate does not decode
+        tokenizer=None,  # type: ignore[arg-type]
+        voice_suffix="",
+        voice_repo="",
+        machine=machine,
+        delay_steps=DELAY_STEPS,
+        temp=0.0,
+        n_q=RAW["dep_q"],
+        max_gen_length=400,
+    )
+    entries = [[Entry(list(w.tokens), w.text, w.padding) for w in words] for words in scripts]
+    attributes = [tts.make_condition_attributes([path], cfg_coef=cfg_coef) for path in voice_paths]
+    return tts.generate(entries, attributes)
+
+
+def duplexd_generate(models, scripts, voice_indices, cfg_value: str = "2.0"):
+    _, model, conditioner, tts, voices = models
+    gen = TTSGen(model, conditioner, tts, num_slots=len(scripts))
+    chosen = [Voice((voices[k][0],), (("control", "ok"), ("cfg", cfg_value))) for k in voice_indices]
+    return generate(gen, scripts, chosen, max_steps=400)
+
+
+def test_script_words_are_moshis_entries():
+    for script in SCRIPTS + ["", "  spaced   out  ", 'a <break time="1.5s"/> b'], ["Hi (you):", "me too"]:
+        turns = script if isinstance(script, list) else [script]
+        ours = script_words(turns, encode, padding_between=1)
+        theirs = script_to_entries(Tokenizer(), TokenIds(41), 12.5, turns, multi_speaker=True, padding_between=1)
+        assert [(list(w.tokens), w.text, w.padding) for w in ours] == [(e.tokens, e.text, e.padding) for e in theirs]
+
+
+def test_word_feeder_follows_moshis_state_machine():
+    """Random samples (NEW_WORD, PAD and others) through both machines, step by step."""
+    words = script_words([SCRIPTS[1] + " " + SCRIPTS[0]], encode)
+    for ahead in (0, 2):
+        theirs = StateMachine(TokenIds(41), second_stream_ahead=ahead, max_padding=5, initial_padding=2)
+        ours = WordFeeder(41, second_stream_ahead=ahead, max_padding=5, initial_padding=2)
+        state_t = theirs.new_state([Entry(list(w.tokens), w.text, w.padding) for w in words])
+        state_o = ours.start(words)
+        gen = torch.Generator().manual_seed(ahead)
+        for step in range(150):
+            sampled = int(torch.tensor([0, 3, 3, 7])[torch.randint(0, 4, (1,), generator=gen)])
+            assert ours.next_token(step, state_o, sampled) == theirs.process(step, state_t, sampled), step
+        assert state_o.end_step == state_t.end_step is not None
+        assert state_o.consumed_at == state_t.consumption_times
+        assert state_o.transcript == state_t.transcript
+
+
+def test_one_script_matches_generate(models):
+    ref_lm, *_ = models
+    voices = models[4]
+    words = script_words([SCRIPTS[0]], encode)
+    theirs = reference_generate(ref_lm, [words], [voices[0][1]])
+    ours = duplexd_generate(models, [words], [0])[0]
+    frames = [f[0, :, 0].tolist() for f in theirs.frames]
+    assert theirs.end_steps[0] is not None and len(frames) > 3 * DELAY_STEPS
+    assert ours.frames == frames
+    assert (ours.end_step, ours.consumed_at, ours.transcript) == (
+        theirs.end_steps[0],
+        theirs.all_consumption_times[0],
+        theirs.all_transcripts[0],
+    )
+    # Not degenerate: the model's own NEW_WORD samples start most words, not the padding limit.
+    started = {step for step, (sampled, _) in enumerate(theirs.logged_text_tokens[0]) if sampled == 0}
+    by_model = sum(step in started for step in ours.consumed_at)
+    assert by_model >= len(ours.consumed_at) // 2, (by_model, len(ours.consumed_at))
+    assert len({tuple(f[1:]) for f in frames[DELAY_STEPS + 2 :]}) > 5, "varied audio"
+
+
+def test_a_batch_matches_generate(models):
+    """Two scripts of different lengths in two voices, batched, as moshi batches them (one step for both)."""
+    ref_lm, *_ = models
+    voices = models[4]
+    scripts = [script_words([text], encode) for text in SCRIPTS]
+    theirs = reference_generate(ref_lm, scripts, [voices[0][1], voices[1][1]])
+    ours = duplexd_generate(models, scripts, [0, 1])
+    for b, result in enumerate(ours):
+        assert result.frames == [f[b, :, 0].tolist() for f in theirs.frames], f"script {b}"
+        assert result.consumed_at == theirs.all_consumption_times[b]
+    assert ours[0].end_step != ours[1].end_step
+
+
+def test_sessions_at_different_positions_match_each_alone(models):
+    """Slot 1 starts 7 steps after slot 0 and slot 0 ends first; each gives the frames it gives alone."""
+    _, model, conditioner, tts, voices = models
+    scripts = [script_words([text], encode) for text in SCRIPTS]
+    alone = [duplexd_generate(models, [words], [k])[0].frames for k, words in enumerate(scripts)]
+    gen = TTSGen(model, conditioner, tts, num_slots=3)
+    frames: list[list[list[int]]] = [[], []]
+    gen.start(2, scripts[0], Voice((voices[0][0],)))  # slot 2 runs alongside, to be left out of a step
+    for step in range(len(alone[1]) + 30):
+        if step == 0:
+            gen.start(0, scripts[0], Voice((voices[0][0],)))
+        if step == 7:
+            gen.start(1, scripts[1], Voice((voices[1][0],)))
+        slots = [s for s, begun in ((0, True), (1, step >= 7), (2, step % 3 == 0)) if begun]
+        slots = [s for s in slots if s == 2 or len(frames[s]) < len(alone[s])]
+        if not slots:
+            continue
+        out, valid = gen.step(slots)
+        for row, slot in enumerate(slots):
+            if slot < 2 and valid[row]:
+                frames[slot].append(out[row].tolist())
+    assert frames == alone
+
+
+@pytest.mark.parametrize("change", ["word", "voice", "cfg"])
+def test_frames_change_with_the_input(models, change):
+    words = script_words([SCRIPTS[0]], encode)
+    base = duplexd_generate(models, [words], [0])[0].frames
+    if change == "word":
+        words = script_words([SCRIPTS[0].replace("short", "shirt")], encode)
+        assert [w.tokens for w in words] != [w.tokens for w in script_words([SCRIPTS[0]], encode)]
+    other = duplexd_generate(models, [words], [1 if change == "voice" else 0], "3.5" if change == "cfg" else "2.0")
+    assert other[0].frames != base
+
+
+def test_bad_input_is_refused_clearly(models):
+    _, model, conditioner, tts, voices = models
+    with pytest.raises(ValueError, match=r"must be \[8, 125\]"):
+        conditioner.cross_source([torch.zeros(8, 100)])
+    with pytest.raises(ValueError, match="1 to 5"):
+        conditioner.cross_source([])
+    with pytest.raises(ValueError, match="'2.2' is not one of"):
+        conditioner.sum_vector({"control": "ok", "cfg": "2.2"})
