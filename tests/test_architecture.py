@@ -92,6 +92,7 @@ ENGINE_PARTS: dict[str, set[str]] = {
     "stt": {"shared", "wire"},
     "dialogue": {"shared", "kernels", "kv", "models", "persona"},
     "transcription": {"shared", "models", "weights", "wire"},
+    "tts": {"shared", "kernels", "kv", "models", "weights"},
 }
 
 

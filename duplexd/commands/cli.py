@@ -24,7 +24,7 @@ from duplexd.engine.weights.model_files import check_lm_files, check_tokenizer_f
 from duplexd.server import cli as serve
 from duplexd.server.core.settings import SettingsError
 
-from . import capacity, infer, transcribe
+from . import capacity, infer, speak, transcribe
 
 logger = logging.getLogger("duplexd")
 
@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_parser(sub)
     capacity.add_parser(sub)
     transcribe.add_parser(sub)
+    speak.add_parser(sub)
     serve.add_parser(sub)
     chat.add_parser(sub)
     loadtest.add_parser(sub)

@@ -7,8 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from ..weights.checkpoint import CONDITIONING_PREFIX, KeyMap, load_mapped
+from ..models.lm import LMModel
+from ..weights.checkpoint import CONDITIONING_PREFIX, KeyMap, key_map, load_mapped, param_view
 from .conditioning import Conditioner
 
 
@@ -40,3 +42,17 @@ def load_conditioner(conditioner: Conditioner, path: Path) -> None:
         what="conditioner ",
         ignore=lambda key: not key.startswith(CONDITIONING_PREFIX),
     )
+
+
+def save_tts_weights(model: LMModel, conditioner: Conditioner, path: str | Path, naming: str = "module") -> None:
+    """Write a TTS model as Kyutai's file holds it (LM and conditioners in one safetensors file, loadable by moshi).
+    The DepFormer's low-rank text matrix, which the reference builds but never uses beside the muxed embedding,
+    is written as zeros."""
+    lm_tensors: dict[str, torch.Tensor] = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    out = {
+        row.key: torch.zeros(row.shape) if row.param is None else param_view(lm_tensors, row).reshape(row.shape)
+        for row in key_map(model.cfg, naming, model.cfg.dep_q)
+    }
+    params: dict[str, torch.Tensor] = dict(conditioner.named_parameters())
+    out |= {row.key: param_view(params, row).reshape(row.shape) for row in conditioner_key_map(conditioner)}
+    save_file({key: tensor.contiguous() for key, tensor in out.items()}, str(path))

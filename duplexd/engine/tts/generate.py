@@ -141,6 +141,7 @@ def generate(
     scripts: Sequence[Sequence[Word]],
     voices: Sequence[Voice],
     temperature: float = 0.0,
+    seed: int = 0,
     final_padding: int = 4,
     max_steps: int = 30000,
 ) -> list[TTSResult]:
@@ -148,7 +149,7 @@ def generate(
     `TTSModel.generate` does (its frames, end steps, consumption steps and transcript per script)."""
     slots = list(range(len(scripts)))
     for slot, (words, voice) in enumerate(zip(scripts, voices, strict=True)):
-        gen.start(slot, words, voice, temperature)
+        gen.start(slot, words, voice, temperature, seed)
     results = [TTSResult() for _ in slots]
     for offset in range(max_steps):
         states = [gen.states[slot] for slot in slots]

@@ -219,7 +219,7 @@ def depformer_sets(keys: set[str] | list[str]) -> int:
 _SET_KEY = re.compile(r"(linears|depformer_in)\.(\d+)\.weight")
 
 
-def _target(params: dict[str, torch.Tensor], row: KeyMap, param: str | None = None) -> torch.Tensor:
+def param_view(params: dict[str, torch.Tensor], row: KeyMap, param: str | None = None) -> torch.Tensor:
     """The parameter slice a checkpoint tensor fills, as a view in the checkpoint's orientation."""
     name = param or row.param
     assert name is not None
@@ -233,11 +233,11 @@ def _store(tensors: dict[str, torch.Tensor], row: KeyMap, tensor: torch.Tensor) 
     if row.lead is not None:
         tensor = tensor[: row.lead]
     if not row.quantize:
-        target = _target(tensors, row)
+        target = param_view(tensors, row)
         target.copy_(tensor.view(target.shape))
         return
-    codes_at = _target(tensors, row, f"{row.param}.codes")
-    absmax_at = _target(tensors, row, f"{row.param}.absmax")
+    codes_at = param_view(tensors, row, f"{row.param}.codes")
+    absmax_at = param_view(tensors, row, f"{row.param}.absmax")
     codes, absmax = quantize_rows(tensor.to(codes_at.device))
     codes_at.copy_(codes.view(codes_at.shape))
     absmax_at.copy_(absmax.view(absmax_at.shape))
@@ -318,7 +318,7 @@ def save_mapped(tensors: dict[str, torch.Tensor], rows: list[KeyMap], path: str 
     cannot be written."""
     if any(row.param is None or row.lead is not None for row in rows):
         raise ValueError("the key map has rows that duplexd does not hold")
-    save_file({row.key: _target(tensors, row).reshape(row.shape).contiguous() for row in rows}, str(path))
+    save_file({row.key: param_view(tensors, row).reshape(row.shape).contiguous() for row in rows}, str(path))
 
 
 def _header_keys(path: Path) -> set[str]:

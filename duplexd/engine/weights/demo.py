@@ -58,7 +58,7 @@ def cache_root() -> Path:
     return Path(base) / "duplexd"
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     os.close(fd)
     try:
@@ -121,12 +121,12 @@ def _ensure(
     root.mkdir(parents=True, exist_ok=True)
     logger.info("writing a demo model (random weights, %s) to %s", says, root)
     corpus = (resources.files(__package__) / "data" / "demo_corpus.txt").read_text(encoding="utf-8")
-    _atomic_write(files.tokenizer, lambda p: train_tokenizer(corpus.splitlines(), p, TOKENIZER_VOCAB))
+    atomic_write(files.tokenizer, lambda p: train_tokenizer(corpus.splitlines(), p, TOKENIZER_VOCAB))
     cfg = dataclasses.replace(cfg, text_card=TextTokenizer(files.tokenizer).vocab_size)
     model = random_lm(cfg, DEMO_SEED)
-    _atomic_write(files.lm, lambda p: save_lm_weights(model, p, naming="fused"))
+    atomic_write(files.lm, lambda p: save_lm_weights(model, p, naming="fused"))
     mimi = MimiModel(mimi_cfg).init_weights_(DEMO_SEED)
-    _atomic_write(files.mimi, lambda p: save_mimi_weights(mimi, p, naming="fused"))
+    atomic_write(files.mimi, lambda p: save_mimi_weights(mimi, p, naming="fused"))
     config = {
         **cfg.to_reference_json(),
         "moshi_name": MOSHI_NAME,
@@ -134,5 +134,5 @@ def _ensure(
         "tokenizer_name": TOKENIZER_NAME,
         **(keys or {}),
     }
-    _atomic_write(files.config, lambda p: p.write_text(json.dumps(config, indent=2)))
+    atomic_write(files.config, lambda p: p.write_text(json.dumps(config, indent=2)))
     return files

@@ -1,0 +1,112 @@
+"""A Kyutai TTS model folder loaded whole: the LM and its conditioners (one file), Mimi at 32 codebooks, the text
+tokenizer, and the voices.
+
+The folder is laid out as Kyutai publishes `kyutai/tts-1.6b-en_fr`: a `config.json` (LM kwargs plus `model_type`
+"tts", `tts_config`, `conditioners`, `fuser`, `model_id`) naming its files (`moshi_name`, `mimi_name`,
+`tokenizer_name`). A voice is an embedding file laid out as `kyutai/tts-voices` lays them out: `NAME` +
+`.<sig>@<epoch>.safetensors` under a voices folder (`expresso/ex03-ex01_happy_001_channel1_334s.wav` is a name),
+holding `speaker_wavs` [1, speaker_dim, frames].
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ..errors import CheckpointError
+from ..models.config import MIMI_PRESETS, ConfigError
+from ..models.lm import LMModel
+from ..models.mimi import MimiModel
+from ..models.tokenizer import TextTokenizer
+from ..weights.checkpoint import CONFIG_NAME, MIMI_NAME, MOSHI_NAME, load_lm, load_mimi, mimi_preset_of
+from ..weights.config_file import lm_config_from_dict
+from .checkpoint import load_conditioner
+from .conditioning import Conditioner
+from .config import TTSConfig, tts_config_from_dict
+
+logger = logging.getLogger(__name__)
+
+MIMI_32 = ("demo-32", "mimi-32")  # the Mimi presets a TTS model decodes with: its 32 codebooks
+
+
+@dataclass
+class TTSModel:
+    lm: LMModel
+    conditioner: Conditioner
+    tts: TTSConfig
+    mimi: MimiModel
+    tokenizer: TextTokenizer
+    folder: Path
+
+
+def read_config(folder: Path) -> dict:
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder (a Kyutai TTS model folder, or demo-tts)", "model")
+    path = folder / CONFIG_NAME
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read it as a JSON config ({e})", "model") from None
+    if not isinstance(raw, dict) or (raw.get("model_type") != "tts" and "tts_config" not in raw):
+        raise CheckpointError(f"{folder} is not a Kyutai TTS model (its config.json has no model_type tts)", "model")
+    return raw
+
+
+def load_tts(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> TTSModel:
+    """Load the TTS model in `folder`; `CheckpointError` naming the file or key that does not fit."""
+    folder = Path(folder)
+    raw = read_config(folder)
+    try:
+        cfg, tts = lm_config_from_dict(raw), tts_config_from_dict(raw)
+    except ConfigError as e:
+        raise CheckpointError(f"{folder / CONFIG_NAME}: {e}", "model") from None
+    assert tts is not None
+    weights = folder / raw.get("moshi_name", MOSHI_NAME)
+    mimi_path = folder / raw.get("mimi_name", MIMI_NAME)
+    tokenizer_path = folder / raw.get("tokenizer_name", "tokenizer.model")
+    for path in (weights, mimi_path, tokenizer_path):
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (named by {folder / CONFIG_NAME})", "model")
+    lm = load_lm(weights, cfg, device=device, dtype=dtype)
+    conditioner = Conditioner(tts, cfg.dim)
+    load_conditioner(conditioner, weights)
+    preset = mimi_preset_of(mimi_path, MIMI_32)
+    if preset is None:
+        raise CheckpointError(f"{mimi_path} is not a Mimi duplexd knows (32 codebooks: {', '.join(MIMI_32)})", "model")
+    mimi = load_mimi(mimi_path, MIMI_PRESETS[preset], device=device)
+    tokenizer = TextTokenizer(tokenizer_path)
+    if tokenizer.vocab_size != cfg.text_card:
+        raise CheckpointError(f"{tokenizer_path} has {tokenizer.vocab_size} pieces, the model {cfg.text_card}", "model")
+    logger.info("loaded the TTS model in %s (audio delay %d frames)", folder, tts.delay_steps)
+    return TTSModel(lm, conditioner, tts, mimi, tokenizer, folder)
+
+
+def voice_embedding(voice: str, voices: Path | None, tts: TTSConfig) -> torch.Tensor:
+    """The embedding [speaker_dim, frames] of `voice`: an embedding file, or a voice name under `voices` (the
+    name plus the model's suffix). `CheckpointError` naming the voice when there is no such voice or the file does
+    not hold one of the model's shape."""
+    path = Path(voice)
+    if not (path.suffix == ".safetensors" and path.is_file()):
+        if voices is None:
+            raise CheckpointError(f"{voice!r}: not an embedding file, and no voices folder to look it up in", "voice")
+        path = voices / (voice + tts.voice_suffix)
+        if not path.is_file():
+            known = sorted(
+                str(p.relative_to(voices)).removesuffix(tts.voice_suffix) for p in voices.rglob("*" + tts.voice_suffix)
+            )
+            listed = ", ".join(known[:8]) + (" …" if len(known) > 8 else "")
+            raise CheckpointError(f"unknown voice {voice!r} in {voices} (voices: {listed or 'none'})", "voice")
+    try:
+        emb = load_file(str(path))["speaker_wavs"]
+    except (SafetensorError, OSError, KeyError) as e:
+        raise CheckpointError(f"{path}: not a voice embedding file (speaker_wavs): {e}", "voice") from None
+    expected = (1, tts.speaker_dim, tts.speaker_frames)
+    if tuple(emb.shape) != expected:
+        raise CheckpointError(f"{path}: speaker_wavs is {list(emb.shape)}, the model takes {list(expected)}", "voice")
+    return emb[0].float()
