@@ -196,6 +196,9 @@ SMOKE: dict[str, Smoke] = {
         ("--small", "--frames", "1", "--warmup", "1", *ONE), ("ratio_b1", "ratio_b4", "demo_ms_8_slots")
     ),
     "stt_streams.py": Smoke(("--frames", "2", "--warmup", "1", "--sessions", "2", *ONE), ("duplexd_fps_b2",)),
+    "tts_streams.py": Smoke(
+        ("--sessions", "1", "--words", "2", "--threads", "1"), ("ratio_vs_one_by_one", "ttfa_ms_p50_b1")
+    ),
     "transcribe_latency.py": Smoke(
         ("--audio-hidden", "64", "--audio-layers", "2", "--text-hidden", "64", "--text-layers", "2")
         + ("--new-tokens", "4", "--iters", "1", *ONE, "--seconds", "0.5", "1.03")

@@ -82,6 +82,7 @@ class TTSGen:
         self.temperature = torch.zeros(rows, device=device)
         self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
         self.states: list[WordState | None] = [None] * num_slots
+        self.greedy = [True] * num_slots  # host copies of `temperature == 0`: an all-greedy step takes argmaxes
 
     def start(self, slot: int, words: Sequence[Word], voice: Voice, temperature: float = 0.0, seed: int = 0) -> None:
         """A new session in `slot`: its words, its voice's keys and values and its sum vector, from position 0."""
@@ -95,6 +96,7 @@ class TTSGen:
         self.kv.upload(slot)
         self.temperature[slot] = temperature
         self.seeds[slot] = seed
+        self.greedy[slot] = temperature == 0
         self.states[slot] = self.feeder.start(words)
 
     @torch.no_grad()
@@ -110,7 +112,14 @@ class TTSGen:
             x, offsets, self.kv, self.kv.batch(index, offsets), self.voices[:, :, index]
         )
         temperature, seeds = self.temperature[index], self.seeds[index]
-        sampled = sample(logits, temperature, torch.full_like(offsets, TEXT_TOP_K), seeds, offsets, 0)
+        greedy = all(self.greedy[slot] for slot in slots)  # sampling's noise and top-k are a quarter of a CPU step
+
+        def pick(logits: torch.Tensor, top_k: int, stream: int) -> torch.Tensor:
+            if greedy:
+                return logits.argmax(dim=-1)
+            return sample(logits, temperature, torch.full_like(offsets, top_k), seeds, offsets, stream)
+
+        sampled = pick(logits, TEXT_TOP_K, 0)
         read = []  # the host's part of the step: each slot's words decide the text the model reads
         for slot, offset, token in zip(slots, offsets.tolist(), sampled.tolist(), strict=True):
             state = self.states[slot]
@@ -118,10 +127,7 @@ class TTSGen:
                 raise ValueError(f"slot {slot} has no session")
             read.append(self.feeder.next_token(offset, state, token)[0])
         text = torch.tensor(read, device=index.device)
-        top_k = torch.full_like(offsets, AUDIO_TOP_K)
-        audio = model.forward_depformer(
-            hidden, text, lambda step, lg: sample(lg, temperature, top_k, seeds, offsets, 1 + step)
-        ).tokens
+        audio = model.forward_depformer(hidden, text, lambda step, lg: pick(lg, AUDIO_TOP_K, 1 + step)).tokens
         silent = offsets[:, None] < self.delays[None, 1:] + self.tts.delay_steps
         audio = audio.masked_fill(silent, -1)
         offsets = offsets + 1
