@@ -229,19 +229,24 @@ def test_a_batch_matches_generate(models):
     assert ours[0].end_step != ours[1].end_step
 
 
-def test_sessions_at_different_positions_match_each_alone(models):
-    """Slot 1 starts 7 steps after slot 0 and slot 0 ends first; each gives the frames it gives alone."""
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_sessions_at_different_positions_match_each_alone(models, temperature):
+    """Slot 1 starts 7 steps after slot 0 (so one is in its audio delay while the other speaks) and slot 0 ends
+    first; each gives the frames it gives alone, greedy or sampled."""
     _, model, conditioner, tts, voices = models
     scripts = [script_words([text], encode) for text in SCRIPTS]
-    alone = [duplexd_generate(models, [words], [k])[0].frames for k, words in enumerate(scripts)]
+    alone = [
+        generate(TTSGen(model, conditioner, tts, 1), [words], [Voice((voices[k][0],))], temperature, seed=k)[0].frames
+        for k, words in enumerate(scripts)
+    ]
     gen = TTSGen(model, conditioner, tts, num_slots=3)
     frames: list[list[list[int]]] = [[], []]
     gen.start(2, scripts[0], Voice((voices[0][0],)))  # slot 2 runs alongside, to be left out of a step
     for step in range(len(alone[1]) + 30):
         if step == 0:
-            gen.start(0, scripts[0], Voice((voices[0][0],)))
+            gen.start(0, scripts[0], Voice((voices[0][0],)), temperature, seed=0)
         if step == 7:
-            gen.start(1, scripts[1], Voice((voices[1][0],)))
+            gen.start(1, scripts[1], Voice((voices[1][0],)), temperature, seed=1)
         slots = [s for s, begun in ((0, True), (1, step >= 7), (2, step % 3 == 0)) if begun]
         slots = [s for s in slots if s == 2 or len(frames[s]) < len(alone[s])]
         if not slots:

@@ -114,20 +114,31 @@ class TTSGen:
         temperature, seeds = self.temperature[index], self.seeds[index]
         greedy = all(self.greedy[slot] for slot in slots)  # sampling's noise and top-k are a quarter of a CPU step
 
-        def pick(logits: torch.Tensor, top_k: int, stream: int) -> torch.Tensor:
+        def pick(logits: torch.Tensor, top_k: int, stream: int, rows: torch.Tensor | slice = slice(None)):
             if greedy:
                 return logits.argmax(dim=-1)
-            return sample(logits, temperature, torch.full_like(offsets, top_k), seeds, offsets, stream)
+            at = offsets[rows]
+            return sample(logits, temperature[rows], torch.full_like(at, top_k), seeds[rows], at, stream)
 
         sampled = pick(logits, TEXT_TOP_K, 0)
         read = []  # the host's part of the step: each slot's words decide the text the model reads
-        for slot, offset, token in zip(slots, offsets.tolist(), sampled.tolist(), strict=True):
+        positions = offsets.tolist()
+        for slot, offset, token in zip(slots, positions, sampled.tolist(), strict=True):
             state = self.states[slot]
             if state is None:
                 raise ValueError(f"slot {slot} has no session")
             read.append(self.feeder.next_token(offset, state, token)[0])
         text = torch.tensor(read, device=index.device)
-        audio = model.forward_depformer(hidden, text, lambda step, lg: pick(lg, AUDIO_TOP_K, 1 + step)).tokens
+        # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
+        # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.
+        audio = torch.full((len(slots), cfg.dep_q), -1, dtype=torch.long, device=index.device)
+        speaking = [row for row, offset in enumerate(positions) if offset >= self.tts.delay_steps]
+        if speaking:
+            rows = torch.tensor(speaking, device=index.device) if len(speaking) < len(slots) else slice(None)
+            out = model.forward_depformer(
+                hidden[rows], text[rows], lambda step, lg: pick(lg, AUDIO_TOP_K, 1 + step, rows)
+            ).tokens
+            audio[rows] = out
         silent = offsets[:, None] < self.delays[None, 1:] + self.tts.delay_steps
         audio = audio.masked_fill(silent, -1)
         offsets = offsets + 1
