@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from moshi.models import loaders  # noqa: E402
-from moshi.models.tts import Entry, StateMachine, TokenIds, TTSModel  # noqa: E402
+from moshi.models.tts import Entry, TTSModel  # noqa: E402
 
 from bench.common import on_own_thread  # noqa: E402
 from duplexd.engine.tts.demo import DEMO_VOICES, demo_tts_folder  # noqa: E402
@@ -36,6 +36,7 @@ from duplexd.engine.tts.generate import TTSGen, Voice  # noqa: E402
 from duplexd.engine.tts.model import TTSModel as DuplexdTTS  # noqa: E402
 from duplexd.engine.tts.model import load_tts, read_config, voice_embedding  # noqa: E402
 from duplexd.engine.tts.words import Word, script_words  # noqa: E402
+from tests.ref_models import reference_tts  # noqa: E402
 
 FRAME_RATE = 12.5
 # What moshi's `CheckpointInfo.from_hf_repo` takes out of config.json before the LM kwargs.
@@ -87,19 +88,7 @@ def reference_model(folder: Path) -> TTSModel:
     raw = read_config(folder)
     kwargs = {k: v for k, v in raw.items() if k not in NOT_LM}
     lm = loaders.get_moshi_lm(folder / raw["moshi_name"], lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
-    machine = StateMachine(TokenIds(lm.text_card + 1), second_stream_ahead=2, max_padding=8, initial_padding=2)
-    delay = int(raw["tts_config"]["audio_delay"] * FRAME_RATE)
-    return TTSModel(
-        lm=lm.eval(),
-        mimi=None,  # type: ignore[arg-type]  # generate does not decode
-        tokenizer=None,  # type: ignore[arg-type]
-        voice_suffix="",
-        voice_repo="",
-        machine=machine,
-        delay_steps=delay,
-        temp=0.0,
-        n_q=lm.dep_q,
-    )
+    return reference_tts(lm.eval(), int(raw["tts_config"]["audio_delay"] * FRAME_RATE))
 
 
 def reference_run(ref: TTSModel, voice_path: Path, batch: list[list[Word]]) -> tuple[int, float, list[float]]:

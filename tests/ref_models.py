@@ -152,3 +152,23 @@ class ReferenceStt:
         tokens, heads = out
         pause = torch.stack([h[0, 0, 0] for h in heads]) if heads else torch.zeros(0)
         return int(tokens[0, 0, 0]), self.text_logits[0][0, 0, 0], pause
+
+
+def reference_tts(lm: RefLMModel, delay_steps: int, **kwargs):
+    """moshi's `TTSModel` around `lm` for `generate` at temperature 0: Kyutai's state machine (lookahead 2, padding 8
+    at most, 2 at the start), no Mimi or tokenizer (the callers give words, and generate decodes nothing)."""
+    from moshi.models.tts import StateMachine, TokenIds, TTSModel
+
+    machine = StateMachine(TokenIds(lm.text_card + 1), second_stream_ahead=2, max_padding=8, initial_padding=2)
+    return TTSModel(
+        lm=lm,
+        mimi=None,  # type: ignore[arg-type]
+        tokenizer=None,  # type: ignore[arg-type]
+        voice_suffix="",
+        voice_repo="",
+        machine=machine,
+        delay_steps=delay_steps,
+        temp=0.0,
+        n_q=lm.dep_q,
+        **kwargs,
+    )

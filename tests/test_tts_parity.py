@@ -11,23 +11,24 @@ import json
 import pytest
 import torch
 from moshi.models import loaders
-from moshi.models.tts import Entry, StateMachine, TokenIds, TTSModel, script_to_entries
+from moshi.models.tts import Entry, StateMachine, TokenIds, script_to_entries
 from safetensors.torch import save_file
 
 from duplexd.engine.tts.checkpoint import load_conditioner
 from duplexd.engine.tts.conditioning import Conditioner
 from duplexd.engine.tts.config import tts_config_from_dict
+from duplexd.engine.tts.demo import tts_keys
 from duplexd.engine.tts.generate import TTSGen, Voice, generate
 from duplexd.engine.tts.words import Word, WordFeeder, script_words
 from duplexd.engine.weights.checkpoint import load_lm
 from duplexd.engine.weights.config_file import lm_config_from_dict
 
+from .ref_models import reference_tts
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPEAKER_DIM, FRAMES = 8, 125
-CFG_VALUES = [f"{x / 2:.1f}" for x in range(2, 9)]  # "1.0" ... "4.0", as the released model
 RAW = {
-    "model_type": "tts",
     "dim": 64,
     "text_card": 40,
     "n_q": 6,
@@ -48,20 +49,7 @@ RAW = {
     "depformer_low_rank_embeddings": 8,
     "demux_second_stream": True,
     "cross_attention": True,
-    "conditioners": {
-        "speaker_wavs": {"type": "tensor", "tensor": {"dim": SPEAKER_DIM}},
-        "cfg": {"type": "lut", "lut": {"n_bins": 7, "dim": 4, "tokenizer": "noop", "possible_values": CFG_VALUES}},
-        "control": {"type": "lut", "lut": {"n_bins": 1, "dim": 64, "tokenizer": "noop", "possible_values": ["ok"]}},
-    },
-    "fuser": {
-        "cross_attention_pos_emb": True,
-        "cross_attention_pos_emb_scale": 1,
-        "sum": ["control", "cfg"],
-        "prepend": [],
-        "cross": ["speaker_wavs"],
-    },
-    "tts_config": {"audio_delay": 0.4, "second_stream_ahead": 2},
-    "model_id": {"sig": "abcd1234", "epoch": 7},
+    **tts_keys(SPEAKER_DIM, 64, audio_delay=0.4),
 }
 DELAY_STEPS = 5  # int(0.4 * 12.5)
 
@@ -145,19 +133,7 @@ def models(tmp_path_factory):
 
 
 def reference_generate(ref_lm, scripts: list[list[Word]], voice_paths, cfg_coef: float = 2.0):
-    machine = StateMachine(TokenIds(RAW["text_card"] + 1), second_stream_ahead=2, max_padding=8, initial_padding=2)
-    tts = TTSModel(
-        lm=copy.deepcopy(ref_lm),
-        mimi=None,  # type: ignore[arg-type]  # generate does not decode
-        tokenizer=None,  # type: ignore[arg-type]
-        voice_suffix="",
-        voice_repo="",
-        machine=machine,
-        delay_steps=DELAY_STEPS,
-        temp=0.0,
-        n_q=RAW["dep_q"],
-        max_gen_length=400,
-    )
+    tts = reference_tts(copy.deepcopy(ref_lm), DELAY_STEPS, max_gen_length=400)
     entries = [[Entry(list(w.tokens), w.text, w.padding) for w in words] for words in scripts]
     attributes = [tts.make_condition_attributes([path], cfg_coef=cfg_coef) for path in voice_paths]
     return tts.generate(entries, attributes)

@@ -32,24 +32,35 @@ DEMO_TTS_VERSION = 1
 DEMO_VOICES = ("demo/alice.wav", "demo/bob.wav")
 SPEAKER_DIM = 32
 CFG_VALUES = [f"{x / 2:.1f}" for x in range(2, 9)]  # "1.0" ... "4.0", as the released model
-TTS_KEYS = {
-    "model_type": "tts",
-    "conditioners": {
-        "speaker_wavs": {"type": "tensor", "tensor": {"dim": SPEAKER_DIM}},
-        "cfg": {"type": "lut", "lut": {"n_bins": 7, "dim": 16, "tokenizer": "noop", "possible_values": CFG_VALUES}},
-        "control": {"type": "lut", "lut": {"n_bins": 1, "dim": 16, "tokenizer": "noop", "possible_values": ["ok"]}},
-    },
-    "fuser": {
-        "cross_attention_pos_emb": True,
-        "cross_attention_pos_emb_scale": 1,
-        "sum": ["control", "cfg"],
-        "prepend": [],
-        "cross": ["speaker_wavs"],
-    },
-    "tts_config": {"audio_delay": 1.28, "second_stream_ahead": 2},
-    "model_id": {"sig": "d0d0d0d0", "epoch": 1},
-    "lm_gen_config": {"temp": 0.6, "temp_text": 0.6},
-}
+
+
+def tts_keys(speaker_dim: int, control_dim: int, audio_delay: float = 1.28) -> dict:
+    """The config.json keys of a Kyutai TTS model beside its LM kwargs, as the 1.6B states them (its `cfg` table of
+    coefficients 1.0 to 4.0 and its `control` table), for a voice embedding of `speaker_dim`."""
+    return {
+        "model_type": "tts",
+        "conditioners": {
+            "speaker_wavs": {"type": "tensor", "tensor": {"dim": speaker_dim}},
+            "cfg": {"type": "lut", "lut": {"n_bins": 7, "dim": 16, "tokenizer": "noop", "possible_values": CFG_VALUES}},
+            "control": {
+                "type": "lut",
+                "lut": {"n_bins": 1, "dim": control_dim, "tokenizer": "noop", "possible_values": ["ok"]},
+            },
+        },
+        "fuser": {
+            "cross_attention_pos_emb": True,
+            "cross_attention_pos_emb_scale": 1,
+            "sum": ["control", "cfg"],
+            "prepend": [],
+            "cross": ["speaker_wavs"],
+        },
+        "tts_config": {"audio_delay": audio_delay, "second_stream_ahead": 2},
+        "model_id": {"sig": "d0d0d0d0", "epoch": 1},
+        "lm_gen_config": {"temp": 0.6, "temp_text": 0.6},
+    }
+
+
+TTS_KEYS = tts_keys(SPEAKER_DIM, 16)
 DEMO_TTS = dataclasses.replace(
     TTS_1_6B,
     dim=128,
