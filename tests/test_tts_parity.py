@@ -266,3 +266,52 @@ def test_sampling_is_seeded(models):
 
     first = run(1)
     assert run(1) == first and run(2) != first
+
+
+def test_two_voices_as_moshi_servers_worker_builds_them(models):
+    """moshi-server's TTS worker conditions on `[voice, voice]` (the same file twice): two of the five speaker places
+    filled. duplexd given the embedding twice gives generate's frames with those attributes."""
+    ref_lm, _, _, _, voices = models
+    words = script_words([SCRIPTS[1]], encode)
+    tts = reference_tts(copy.deepcopy(ref_lm), DELAY_STEPS, max_gen_length=400)
+    entries = [[Entry(list(w.tokens), w.text, w.padding) for w in words]]
+    theirs = tts.generate(entries, [tts.make_condition_attributes([voices[0][1]] * 2, cfg_coef=2.0)])
+    _, model, conditioner, tts_cfg, _ = models
+    gen = TTSGen(model, conditioner, tts_cfg, num_slots=1)
+    ours = generate(gen, [words], [Voice((voices[0][0], voices[0][0]))], max_steps=400)[0]
+    assert ours.frames == [f[0, :, 0].tolist() for f in theirs.frames]
+    single = duplexd_generate(models, [words], [0])[0]
+    assert single.frames != ours.frames  # one voice place or two is another conditioning
+
+
+def test_words_streamed_one_a_step_give_generates_frames(models):
+    """Words arriving one per step (as moshi-server's Rust side feeds its worker), the text's end after the last:
+    the slot steps only when `ready` (the next word and two lookahead words there, or the text complete) and gives
+    generate's frames; a second slot whose words come in a burst later waits meanwhile without holding it up."""
+    _, model, conditioner, tts, voices = models
+    words = script_words([SCRIPTS[0]], encode)
+    alone = duplexd_generate(models, [words], [0])[0]
+    gen = TTSGen(model, conditioner, tts, num_slots=2)
+    gen.start(0, [], Voice((voices[0][0],)))
+    gen.start(1, [], Voice((voices[1][0],)))
+    frames: list[list[int]] = []
+    waited, calls = 0, 0
+    while len(frames) < len(alone.frames):
+        calls += 1
+        if calls <= len(words):
+            gen.push(0, words[calls - 1 : calls])
+        elif calls == len(words) + 1:
+            gen.finish(0)
+        if calls == 20:
+            gen.push(1, words[:4])
+        slots = [slot for slot in (0, 1) if gen.ready(slot)]
+        waited += 0 not in slots
+        if not slots:
+            continue
+        out, valid = gen.step(slots)
+        if 0 in slots and valid[slots.index(0)]:
+            frames.append(out[slots.index(0)].tolist())
+    assert frames == alone.frames
+    assert waited == 2  # the first word's two lookahead words came with the next two calls
+    late = gen.states[1]  # four words, no end: it took two and waits for more, never past its words
+    assert late is not None and len(late.consumed_at) == 2 and late.end_step is None and not gen.ready(1)

@@ -99,6 +99,25 @@ class TTSGen:
         self.greedy[slot] = temperature == 0
         self.states[slot] = self.feeder.start(words)
 
+    def push(self, slot: int, words: Sequence[Word]) -> None:
+        """More words for `slot`'s session, after those it has."""
+        self._state(slot).words.extend(words)
+
+    def finish(self, slot: int) -> None:
+        """`slot`'s text is complete: it may take its last words without waiting for lookahead ones."""
+        self._state(slot).complete = True
+
+    def ready(self, slot: int) -> bool:
+        """Whether `slot` may step now (`WordFeeder.ready`); a slot that may not is left out of the step and waits
+        without holding up the others."""
+        return self.feeder.ready(self._state(slot))
+
+    def _state(self, slot: int) -> WordState:
+        state = self.states[slot]
+        if state is None:
+            raise ValueError(f"slot {slot} has no session")
+        return state
+
     @torch.no_grad()
     def step(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance `slots` one frame: rows [B, 1 + dep_q] (UNGENERATED until a slot's delays have passed), valid [B]."""
@@ -124,10 +143,7 @@ class TTSGen:
         read = []  # the host's part of the step: each slot's words decide the text the model reads
         positions = offsets.tolist()
         for slot, offset, token in zip(slots, positions, sampled.tolist(), strict=True):
-            state = self.states[slot]
-            if state is None:
-                raise ValueError(f"slot {slot} has no session")
-            read.append(self.feeder.next_token(offset, state, token)[0])
+            read.append(self.feeder.next_token(offset, self._state(slot), token)[0])
         text = torch.tensor(read, device=index.device)
         # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
         # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.

@@ -86,6 +86,7 @@ class WordState:
     end_step: int | None = None  # the step at which the model asked for a word past the last one
     consumed_at: list[int] = field(default_factory=list)  # the step each word (pauses too) was taken
     transcript: list[tuple[str, int]] = field(default_factory=list)  # (word, step) for words with tokens
+    complete: bool = False  # no word will come after those queued (the client's end of text)
 
     def tokens_ahead(self, ahead: int) -> tuple[int, ...]:
         """The tokens of the `ahead`-th word still to come that has tokens (pauses skipped), or none."""
@@ -108,6 +109,18 @@ class WordFeeder:
 
     def start(self, words: Sequence[Word]) -> WordState:
         return WordState(deque(words), self.initial_padding, self.initial_padding)
+
+    def ready(self, state: WordState) -> bool:
+        """Whether a step may run for a session whose words arrive over time (an LLM streaming its reply): once
+        its text is complete, or when the word it might take next is there with the `second_stream_ahead` words
+        after it (a pause needs none), so it never asks for a word that has not come. moshi-server's rule."""
+        if state.complete:
+            return True
+        if not state.words:
+            return False
+        if not self.second_stream_ahead or not state.words[0].tokens:
+            return True
+        return sum(1 for word in state.words if word.tokens) > self.second_stream_ahead
 
     def next_token(self, step: int, state: WordState, sampled: int) -> tuple[int, bool]:
         """The text token the model reads for `sampled` at `step`, and whether a word was taken."""
