@@ -23,6 +23,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def no_launch(monkeypatch) -> list[str]:
+    """Triton kernels run as no-ops: the wrappers, their argument handling and the dispatch still run (a meta-device
+    step, `tests/host_sync.py`). Returns the names of the kernels launched, in order."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launched: list[str] = []
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: launched.append(self.__name__))
+    return launched
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Never touch the user's cache: the demo model is written under a per-session temp dir."""

@@ -45,6 +45,8 @@ BATCHES = (1, 3, 64)  # a single session, an odd (unbucketed) batch, a large buc
 STT_PRESET = "stt-2.6b"
 STT_BATCHES = (1, 3, 64, 400)
 STT_KV_DTYPES = {"bf16": STT_BATCHES, "int8": (400,)}
+# Kyutai TTS 1.6B's step halves (head dim 128 over 16 heads, cross-attention, a 1024-wide DepFormer of 32 steps).
+TTS_BATCHES = (1, 3, 64)
 ONES = "every int argument = 1"
 WEIGHTS_DTYPES = ("bf16", "int8")  # int8 weights run with a bf16 pool only: the KV formats' kernels are the same
 
@@ -221,6 +223,7 @@ def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | Non
                 drive_standalone_store(recorder, gen.kv, batch)
         drive_prefill(recorder, cfg, kv_dtype, weights)
     drive_stt(recorder, layers)
+    drive_tts(recorder, layers)
 
 
 def stt_context(batch: int, kv_dtype: str) -> str:
@@ -245,6 +248,35 @@ def drive_stt(recorder: Recorder, layers: int | None) -> None:
             recorder.context = stt_context(batch, kv_dtype)
             with force_triton():
                 gen.step(torch.arange(batch, device="meta"), user_codes)
+
+
+def tts_context(batch: int, greedy: bool) -> str:
+    return f"TTSGen.listen+speak tts-1.6b B={batch}" + ("" if greedy else " sampled")
+
+
+def drive_tts(recorder: Recorder, layers: int | None) -> None:
+    """The device halves of a Kyutai TTS 1.6B step (`TTSGen.listen`, `TTSGen.speak`: cross-attention, the 32-step
+    DepFormer with its schedule) at `TTS_BATCHES`, greedy and sampled, bf16 weights and pool."""
+    from duplexd.engine.models.config import TTS_1_6B
+    from duplexd.engine.tts.config import TTSConfig
+    from duplexd.engine.tts.generate import TTSGen
+    from duplexd.engine.weights.checkpoint import build_lm
+    from duplexd.kernels.dispatch import force_triton
+
+    cfg = TTS_1_6B
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=layers, depformer_num_layers=layers)
+    model = build_lm(cfg, device="meta", dtype=torch.bfloat16)
+    tts = TTSConfig({}, (), 512, True, 1.0, 1.28, 2, ".safetensors")
+    for batch in TTS_BATCHES:
+        gen = TTSGen(model, None, tts, num_slots=batch)  # type: ignore[arg-type]  # no session: no conditioner
+        index = torch.arange(batch, device="meta")
+        text = torch.zeros(batch, dtype=torch.long, device="meta")
+        for greedy in (True, False):
+            recorder.context = tts_context(batch, greedy)
+            with force_triton():
+                hidden, _, _ = gen.listen(index, greedy)
+                gen.speak(index, text, hidden, greedy)
 
 
 def store_context(batch: int, kv_dtype: str) -> str:
@@ -318,6 +350,7 @@ def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: 
         "sms": sms,
         "batches": list(batches),
         "stt": {"preset": STT_PRESET, "kv_batches": {k: list(v) for k, v in STT_KV_DTYPES.items()}},
+        "tts": {"preset": "tts-1.6b", "batches": list(TTS_BATCHES)},
         "kv_dtypes": list(KV_DTYPES),
         "weights_dtypes": list(WEIGHTS_DTYPES),  # int8 weights: with a bf16 pool (`step_context(b, "bf16", "int8")`)
         "layers": layers,

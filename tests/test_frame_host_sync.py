@@ -33,17 +33,6 @@ def meta_int8_lm():
     return build_lm(cfg, device="meta", dtype=torch.bfloat16, int8=int8_plan(cfg, set(), "int8"))
 
 
-@pytest.fixture
-def no_launch(monkeypatch) -> list[str]:
-    """Triton kernels run as no-ops: the wrappers, their argument handling and the dispatch still run. Returns the
-    names of the kernels launched, in order."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    launched: list[str] = []
-    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: launched.append(self.__name__))
-    return launched
-
-
 def test_host_work_catches_what_it_should():
     x = torch.arange(6, device="meta")
     setitem = torch.Tensor.__setitem__

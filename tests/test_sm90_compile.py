@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.sm90_compile import ONES, engine_variants, step_context, store_context, stt_context
+from tests.sm90_compile import ONES, engine_variants, step_context, store_context, stt_context, tts_context
 
 HELPER = Path(__file__).with_name("sm90_compile.py")
 
@@ -65,6 +65,7 @@ def test_every_kernel_is_exercised(report):
     contexts = {c for v in report["variants"] for c in v["contexts"]}
     assert {step_context(b, kv) for b in report["batches"] for kv in report["kv_dtypes"]} <= contexts
     assert set(report["kv_dtypes"]) == {"bf16", "int8", "fp8"}
+    assert {tts_context(b, greedy) for b in report["tts"]["batches"] for greedy in (True, False)} <= contexts
 
 
 def test_every_kv_dtype_compiles_its_own_variants(report):

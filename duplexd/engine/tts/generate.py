@@ -120,9 +120,34 @@ class TTSGen:
 
     @torch.no_grad()
     def step(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance `slots` one frame: rows [B, 1 + dep_q] (UNGENERATED until a slot's delays have passed), valid [B]."""
+        """Advance `slots` one frame: rows [B, 1 + dep_q] (UNGENERATED until a slot's delays have passed), valid [B].
+
+        `listen` and `speak` are device work only (`tests/test_tts_host_sync.py`); between them the host reads the
+        samples and the slots' offsets (one copy back) and sends up the text the words decide (one copy)."""
+        device = self.offsets.device
+        index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        greedy = all(self.greedy[slot] for slot in slots)  # sampling's noise and top-k are a quarter of a CPU step
+        hidden, sampled, offsets = self.listen(index, greedy)
+        read = []  # the host's part of the step: each slot's words decide the text the model reads
+        positions = offsets.tolist()
+        for slot, offset, token in zip(slots, positions, sampled.tolist(), strict=True):
+            read.append(self.feeder.next_token(offset, self._state(slot), token)[0])
+        # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
+        # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.
+        speaking = [row for row, offset in enumerate(positions) if offset >= self.tts.delay_steps]
+        rows = None if len(speaking) == len(slots) else torch.tensor(speaking, dtype=torch.long, device=device)
+        return self.speak(index, torch.tensor(read, device=device), hidden, greedy, rows)
+
+    def _pick(self, index: torch.Tensor, greedy: bool, logits: torch.Tensor, top_k: int, stream: int) -> torch.Tensor:
+        if greedy:
+            return logits.argmax(dim=-1)
+        at = self.offsets[index]
+        return sample(logits, self.temperature[index], torch.full_like(at, top_k), self.seeds[index], at, stream)
+
+    def listen(self, index: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The temporal step of the slots `index` [B] and their text samples: (hidden [B, dim], sampled [B], the
+        slots' offsets [B]), device tensors."""
         cfg, ring, ct, model = self.cfg, self.ring, self.ring_size, self.model
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.offsets.device)
         offsets = self.offsets[index]
         column = ring[index, :, :].gather(2, (offsets % ct)[:, None, None].expand(-1, cfg.num_codebooks, 1))[..., 0]
         tokens_in = torch.where(offsets[:, None] <= self.delays[None, :], self.initial[None, :], column)
@@ -130,38 +155,37 @@ class TTSGen:
         hidden, logits = model.forward_embeddings(
             x, offsets, self.kv, self.kv.batch(index, offsets), self.voices[:, :, index]
         )
-        temperature, seeds = self.temperature[index], self.seeds[index]
-        greedy = all(self.greedy[slot] for slot in slots)  # sampling's noise and top-k are a quarter of a CPU step
+        return hidden, self._pick(index, greedy, logits, TEXT_TOP_K, 0), offsets
 
-        def pick(logits: torch.Tensor, top_k: int, stream: int, rows: torch.Tensor | slice = slice(None)):
-            if greedy:
-                return logits.argmax(dim=-1)
-            at = offsets[rows]
-            return sample(logits, temperature[rows], torch.full_like(at, top_k), seeds[rows], at, stream)
-
-        sampled = pick(logits, TEXT_TOP_K, 0)
-        read = []  # the host's part of the step: each slot's words decide the text the model reads
-        positions = offsets.tolist()
-        for slot, offset, token in zip(slots, positions, sampled.tolist(), strict=True):
-            read.append(self.feeder.next_token(offset, self._state(slot), token)[0])
-        text = torch.tensor(read, device=index.device)
-        # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
-        # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.
-        audio = torch.full((len(slots), cfg.dep_q), -1, dtype=torch.long, device=index.device)
-        speaking = [row for row, offset in enumerate(positions) if offset >= self.tts.delay_steps]
-        if speaking:
-            rows = torch.tensor(speaking, device=index.device) if len(speaking) < len(slots) else slice(None)
-            out = model.forward_depformer(
-                hidden[rows], text[rows], lambda step, lg: pick(lg, AUDIO_TOP_K, 1 + step, rows)
+    def speak(
+        self,
+        index: torch.Tensor,
+        text: torch.Tensor,
+        hidden: torch.Tensor,
+        greedy: bool,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The DepFormer for the slots `index` [B] given the text they read [B] (for `rows` of them only, all when
+        None; a shape, not a value, says when there are none), then their ring and offsets one step on: (rows out,
+        valid), device tensors."""
+        cfg, ring, ct, model = self.cfg, self.ring, self.ring_size, self.model
+        offsets = self.offsets[index]
+        audio = torch.full((len(index), cfg.dep_q), -1, dtype=torch.long, device=index.device)
+        if rows is None or len(rows):
+            at = index if rows is None else index[rows]
+            spoken = model.forward_depformer(
+                hidden if rows is None else hidden[rows],
+                text if rows is None else text[rows],
+                lambda step, lg: self._pick(at, greedy, lg, AUDIO_TOP_K, 1 + step),
             ).tokens
-            audio[rows] = out
+            audio = spoken if rows is None else audio.index_copy(0, rows, spoken)
         silent = offsets[:, None] < self.delays[None, 1:] + self.tts.delay_steps
         audio = audio.masked_fill(silent, -1)
         offsets = offsets + 1
         self.offsets[index] = offsets
-        at = (offsets % ct)[:, None, None]
+        at_column = (offsets % ct)[:, None, None]
         ring[index, :, :] = ring[index, :, :].scatter(
-            2, at.expand(-1, cfg.num_codebooks, 1), torch.cat([text[:, None], audio], dim=1)[..., None]
+            2, at_column.expand(-1, cfg.num_codebooks, 1), torch.cat([text[:, None], audio], dim=1)[..., None]
         )
         read_at = (offsets[:, None] - cfg.max_delay + self.delays[None, :]) % ct
         out = ring[index, :, :].gather(2, read_at[..., None])[..., 0]
