@@ -20,6 +20,9 @@
 #   7. speech-to-text streams (bench/gpu_capacity.py on Kyutai STT 1B: random bf16 weights, its real config, Mimi
 #      at 32 codebooks, every session at the end of its 750-frame window: the most streams with p99 step <= 80 ms,
 #      goal >= 600; moshi-server's figure is 400 on an H100), in what is left, into stt/;
+#   7b. text-to-speech streams (bench/gpu_tts.py: Kyutai TTS 1.6B's config, random bf16 weights, words streamed at
+#      10 a second, 1 32 64 128 streams: p99 step and time to first audio; goal >= 128 real-time with first audio
+#      p50 <= 150 ms), in what is left;
 #   8. summary.md with every table (stage 6's tables are in weights_dtype.log and printed after it); the short
 #      summary is printed last.
 # Everything goes into one folder: $OUT if set, else bench/out/gpu-<date>. Each stage runs under its own timeout,
@@ -32,7 +35,8 @@
 # SITE (default /tmp/duplexd-site), DEVICE, LOAD_SECONDS, CAPACITY_ARGS (replaces the sweep's arguments),
 # PREFILL_ARGS (replaces the prompt prefill bench's arguments), KV_ARGS (replaces the 8-bit KV bench's arguments),
 # W8_ARGS (replaces the 8-bit weights bench's arguments), STT_ARGS (replaces the STT streams' arguments),
-# SUITE_STAGES (some of: capacity kernels serve kv w8 stt prefill; install and the summary always run),
+# TTS_ARGS (replaces the TTS streams' arguments),
+# SUITE_STAGES (some of: capacity kernels serve kv w8 stt tts prefill; install and the summary always run),
 # SERVE_SESSIONS (serve at this many sessions, not at the capacity the sweep found).
 set -uo pipefail
 
@@ -62,14 +66,15 @@ if [ "$DRY" = 1 ]; then
     --steps 5 --repeats 5"
   DEFAULT_STT="--preset demo-stt --device $DEVICE --batches 1 2 4 --steps 10 --max-sessions 4 --granularity 1
     --budget-ms 1000 --position 31"
+  DEFAULT_TTS="--preset demo-tts --device $DEVICE --dtype float32 --batches 1 2 --steps 25"
   # A shared CPU (the load test's clients on the server's cores) cannot keep the GPU's pace: the dry run checks
   # that every session is served, not how late its frames are.
   LOAD_CHECKS="--max-late-frac 1 --max-ttfa-ms 10000 --max-refused 0 --max-errors 0"
   # Its limits only stop a hung stage: on a shared CPU under load a stage takes a minute for a free core's seconds.
   BUDGET=${SUITE_BUDGET:-2400}
-  T_INSTALL=240 T_KERNELS=240 T_CAPACITY=240 T_PREFILL=240 T_READY=240 T_KV=240 T_W8=240 T_STT=240
+  T_INSTALL=240 T_KERNELS=240 T_CAPACITY=240 T_PREFILL=240 T_READY=240 T_KV=240 T_W8=240 T_STT=240 T_TTS=240
   MIN_install=0 MIN_capacity=20 MIN_kernels=20 MIN_serve=$((LOAD_SECONDS + 20)) MIN_prefill=20 MIN_kv=20 MIN_w8=20
-  MIN_stt=20
+  MIN_stt=20 MIN_tts=20
 else
   PRESET=moshi-7b DEVICE=${DEVICE:-cuda:0} LOAD_SECONDS=${LOAD_SECONDS:-45}
   DEFAULT_CAPACITY="--preset moshi-7b --device $DEVICE --batches 1 8 32 48 64 72 80 --steps 120 --granularity 4"
@@ -86,22 +91,25 @@ else
   # 100 timed steps a batch (a p99 near the maximum, said so), bisection over multiples of 32 up to 1024 slots
   DEFAULT_STT="--preset stt-1b --device $DEVICE --batches 1 64 256 400 512 640 --steps 100 --granularity 32
     --max-sessions 1024 --position 749"
+  # Kyutai TTS 1.6B, random bf16 weights, words streamed at 10 a second (the first three at once)
+  DEFAULT_TTS="--preset tts-1.6b --device $DEVICE --batches 1 32 64 128 --steps 100"
   LOAD_CHECKS="--max-late-frac 0.01 --max-ttfa-ms 300 --max-refused 0 --max-errors 0"
   BUDGET=${SUITE_BUDGET:-560}
-  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=170 T_W8=100 T_STT=120
+  T_INSTALL=60 T_KERNELS=150 T_CAPACITY=240 T_PREFILL=60 T_READY=120 T_KV=170 T_W8=100 T_STT=120 T_TTS=120
   # The least a stage needs to say something (a stage cut short still reports what it finished): what the stages
   # before it leave aside for it.
   MIN_install=0 MIN_capacity=90 MIN_kernels=45 MIN_serve=$((LOAD_SECONDS + 70)) MIN_prefill=30 MIN_kv=60 MIN_w8=50
-  MIN_stt=60
+  MIN_stt=60 MIN_tts=60
 fi
 CAPACITY_ARGS=${CAPACITY_ARGS:-$DEFAULT_CAPACITY}
 PREFILL_ARGS=${PREFILL_ARGS:-$DEFAULT_PREFILL}
 KV_ARGS=${KV_ARGS:-$DEFAULT_KV}
 W8_ARGS=${W8_ARGS:-$DEFAULT_W8}
 STT_ARGS=${STT_ARGS:-$DEFAULT_STT}
+TTS_ARGS=${TTS_ARGS:-$DEFAULT_TTS}
 # The stages in the order they run: the Moshi capacity, the kernels and the served load test (at the capacity
-# found) first, then int8 KV, 8-bit weights, STT and the persona prefill. SUITE_STAGES picks some of them (a second call on a fresh machine runs the rest).
-ORDER="capacity kernels serve kv w8 stt prefill"
+# found) first, then int8 KV, 8-bit weights, STT, TTS and the persona prefill. SUITE_STAGES picks some of them (a second call on a fresh machine runs the rest).
+ORDER="capacity kernels serve kv w8 stt tts prefill"
 SUITE_STAGES=${SUITE_STAGES:-$ORDER}
 for name in $SUITE_STAGES; do
   case " $ORDER " in *" $name "*) ;; *) echo "unknown stage '$name' in SUITE_STAGES (stages: $ORDER)" >&2; exit 2 ;; esac
@@ -325,6 +333,12 @@ if wanted stt; then
   # shellcheck disable=SC2086
   stage stt_capacity "$(allow "$T_STT" "$(reserve stt)")" "$PYTHON" bench/gpu_capacity.py $STT_ARGS --out "$DIR/stt"
   grep -E '^(batch |capacity|FAILED|note)' "$DIR/stt_capacity.log" | tail -n 20
+fi
+
+if wanted tts; then
+  # shellcheck disable=SC2086
+  stage gpu_tts "$(allow "$T_TTS" "$(reserve tts)")" "$PYTHON" bench/gpu_tts.py $TTS_ARGS --out "$DIR"
+  grep -E '^(batch |tts|demo)' "$DIR/gpu_tts.log" | tail -n 8
 fi
 
 if wanted prefill; then

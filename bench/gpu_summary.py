@@ -4,8 +4,9 @@ Usage: python bench/gpu_summary.py DIR
 
 Reads what the stages left in DIR (stages.tsv, gpu_kernels.log's JSON line, gpu_capacity.json/.md,
 prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt, kv_dtype.json, weights_dtype.json,
-stt/gpu_capacity.json/.md) and tolerates any of them missing: a stage that failed or timed out says so instead of
-its table (the prompt prefill bench prints a partial line after batch 1, so a run cut short still shows that).
+stt/gpu_capacity.json/.md, tts.json/.md) and tolerates any of them missing: a stage that failed or timed out says
+so instead of its table (the prompt prefill bench prints a partial line after batch 1, so a run cut short still
+shows that).
 The last line printed is one JSON object, `{"bench": "gpu_suite", ...}`: each stage's status and the headline
 figures. Standard library only, so it runs whatever else went wrong.
 """
@@ -257,7 +258,19 @@ def headline(steps: list[list[str]], reports: dict[str, dict | None]) -> dict:
         "loadtest_sessions": load.get("sessions"),
         "kv_int8_top1": (kv.get("agreement") or {}).get("top1_agreement"),
         "weights_int8_step_ratio_b1": ((weights.get("steps") or {}).get("ratio") or {}).get("1", {}).get("p50"),
+        "tts_streams": (reports.get("tts") or {}).get("realtime_streams"),
+        "tts_ttfa_ms_p50_b1": (reports.get("tts") or {}).get("ttfa_ms_p50_b1"),
     }
+
+
+def tts_verdict(data: dict | None) -> str:
+    if data is None:
+        return "tts streams: no result (see gpu_tts.log)"
+    first = data.get("ttfa_ms_p50_b1")
+    return (
+        f"{data.get('preset')} streams: {data.get('realtime_streams')} with p99 step <= 80 ms; first audio p50 at "
+        f"batch 1 {first} ms (goal: >= 128 streams, <= 150 ms)"
+    )
 
 
 def loadtest_table(data: dict | None) -> tuple[str, str]:
@@ -333,6 +346,8 @@ def main(argv: list[str]) -> int:
     stt = _load(run / "stt" / "gpu_capacity.json")
     stt_md_path = run / "stt" / "gpu_capacity.md"
     stt_md = stt_md_path.read_text() if stt_md_path.is_file() else "no result"
+    tts = _load(run / "tts.json")
+    tts_md = (run / "tts.md").read_text() if (run / "tts.md").is_file() else "no result"
     basis = (run / "serve_basis.txt").read_text().strip() if (run / "serve_basis.txt").is_file() else ""
     machine = (run / "machine.txt").read_text().strip() if (run / "machine.txt").is_file() else ""
     stage_table = "\n".join(
@@ -363,6 +378,8 @@ def main(argv: list[str]) -> int:
                 weights,
                 "## Speech-to-text streams (bench/gpu_capacity.py, Kyutai STT 1B; goal >= 600 with p99 step <= 80 ms)",
                 stt_md.strip(),
+                "## Text-to-speech streams (bench/gpu_tts.py, Kyutai TTS 1.6B; goal >= 128, first audio <= 150 ms)",
+                tts_md.strip(),
             ]
         )
         + "\n"
@@ -371,9 +388,10 @@ def main(argv: list[str]) -> int:
     print(f"summary: {run / 'summary.md'}")
     print(stage_table)
     stt_line = capacity_verdict(stt, f"{(stt or {}).get('preset', 'stt-1b')} streams", "stt_capacity.log")
-    for line in (kernels_line, capacity_verdict(capacity), prefill_line, load_line, kv_line, weights_line, stt_line):
+    lines = (kernels_line, capacity_verdict(capacity), prefill_line, load_line, kv_line, weights_line, stt_line)
+    for line in (*lines, tts_verdict(tts)):
         print(line)
-    reports = {"capacity": capacity, "stt": stt, "prefill": prefill_data, "load": load_data}
+    reports = {"capacity": capacity, "stt": stt, "prefill": prefill_data, "load": load_data, "tts": tts}
     print(json.dumps(headline(steps, {**reports, "kv": kv_data, "weights": weights_data})))
     return 0
 

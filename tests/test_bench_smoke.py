@@ -97,6 +97,7 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
         "kv_dtype",
         "weights_dtype",
         "stt_capacity",
+        "gpu_tts",
     }
     assert set(result["stages"].values()) == {"ok"}, result["stages"]
     run = tmp / "suite"
@@ -107,6 +108,7 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
         "kv_dtype.json": ("capacity", "agreement", "steps"),
         "weights_dtype.json": ("steps", "agreement", "ok"),
         "stt/gpu_capacity.json": ("realtime_sessions", "kv_sessions"),
+        "tts.json": ("realtime_streams", "batches", "ttfa_ms_p50_b1"),
         "loadtest.json": ("overall",),
     }
     for name, keys in heads.items():
@@ -121,10 +123,11 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
     prefill_forwards(json.loads(prefill.strip().splitlines()[-1]), prefill, run)
     summary = (run / "summary.md").read_text()
     sections = ("## Triton kernels", "## Capacity", "## Persona prompt prefill", "## Load test", "## 8-bit KV")
-    for section in (*sections, "## 8-bit weights", "## Speech-to-text streams"):
+    for section in (*sections, "## 8-bit weights", "## Speech-to-text streams", "## Text-to-speech streams"):
         assert section in summary, section
     assert "| int8 / bf16 |" in summary  # weights_dtype.json's step table, read
     assert "demo-stt on cpu" in summary  # the STT stage's table
+    assert "demo-tts on cpu" in summary and "| 1 |" in summary.split("## Text-to-speech")[1]  # the TTS stage's
 
 
 def capacity_stage(run: Path) -> None:
@@ -165,9 +168,12 @@ TINY_SUITE = {
     "--steps 2 --repeats 2",
     "STT_ARGS": "--preset demo-stt --device cpu --batches 1 --steps 3 --max-sessions 1 --granularity 1 "
     "--budget-ms 1e6 --position 31",
+    "TTS_ARGS": "--preset demo-tts --device cpu --dtype float32 --batches 1 --steps 22",
 }
 # Its stages' own limits stop a hung one (bench/gpu_suite.sh); this one is for the script itself.
-SUITE = Smoke((), ("bench", "stages", "realtime_sessions", "stt_streams"), TINY_SUITE, suite_stages, timeout=1200)
+SUITE = Smoke(
+    (), ("bench", "stages", "realtime_sessions", "stt_streams", "tts_streams"), TINY_SUITE, suite_stages, timeout=1200
+)
 ONE = ("--threads", "1")
 SMOKE: dict[str, Smoke] = {
     "codec.py": Smoke(
@@ -211,6 +217,7 @@ SMOKE: dict[str, Smoke] = {
     "gpu_suite.sh": SUITE,
 }
 VIA_SUITE = {  # run by the dry suite, where suite_stages checks what each wrote
+    "gpu_tts.py",
     "gpu_kernels.py",
     "gpu_capacity.py",
     "prompt_prefill.py",
