@@ -85,7 +85,7 @@ def demo_tts_folder(root: Path | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     logger.info("writing the demo TTS model (random weights: it speaks noise) to %s", folder)
     tokenizer = ensure_demo(root).tokenizer  # the demo tokenizer, shared with the other demos
-    (folder / TOKENIZER_NAME).write_bytes(tokenizer.read_bytes())
+    atomic_write(folder / TOKENIZER_NAME, lambda p: p.write_bytes(tokenizer.read_bytes()))
     cfg = dataclasses.replace(DEMO_TTS, text_card=TextTokenizer(tokenizer).vocab_size)
     raw = {**cfg.to_reference_json(), **TTS_KEYS, "moshi_name": MOSHI_NAME, "mimi_name": MIMI_NAME}
     raw["tokenizer_name"] = TOKENIZER_NAME
