@@ -34,7 +34,9 @@ def server(tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
     log = tmp_path_factory.mktemp("web-server") / "serve.log"
     env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    args = ("--max-sessions", "1", "--transcribe", "demo", "--transcribe-max-tokens", "16")
+    # A long idle timeout: the refusal test's holder sends nothing while the browser, maybe slow beside another test
+    # worker, starts; it must not be closed for idling before the browser is refused.
+    args = ("--max-sessions", "1", "--transcribe", "demo", "--transcribe-max-tokens", "16", "--idle-timeout", "120")
     with running_server(log, *args, env=env) as live:
         yield live
 
@@ -115,7 +117,7 @@ def test_refused_session_says_the_server_is_full(server, page, tmp_path):
         conn = open_connection(ConnectOptions(url=server.url))
         await conn.open()
         admitted.set()
-        await asyncio.to_thread(release.wait, 30)
+        await asyncio.to_thread(release.wait, 100)
         await conn.close()
 
     wait_until_idle(server)  # the previous test's session may still be closing
@@ -125,7 +127,7 @@ def test_refused_session_says_the_server_is_full(server, page, tmp_path):
         assert admitted.wait(15)
         page.goto(server.url + "/")
         page.click("#start")
-        page.wait_for_selector("#state[data-state=refused]", timeout=15000)
+        page.wait_for_selector("#state[data-state=refused]", timeout=60000)  # a page start on a loaded box
         assert "server is full" in page.inner_text("#message")
         assert page.is_enabled("#start")
         save(page, tmp_path, "web-refused.png")
