@@ -17,7 +17,6 @@ line printed is one JSON object. On a CPU with the demo model it is the suite's 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -32,13 +31,13 @@ from duplexd.engine.devices import check_device  # noqa: E402
 from duplexd.engine.models.config import TTS_1_6B  # noqa: E402
 from duplexd.engine.tts.conditioning import Conditioner  # noqa: E402
 from duplexd.engine.tts.config import tts_config_from_dict  # noqa: E402
-from duplexd.engine.tts.demo import DEMO_TTS, tts_keys  # noqa: E402
+from duplexd.engine.tts.demo import DEMO_TTS, SPEAKER_DIM, tts_keys  # noqa: E402
 from duplexd.engine.tts.generate import TTSGen, Voice  # noqa: E402
 from duplexd.engine.tts.words import Word  # noqa: E402
 from duplexd.engine.weights.checkpoint import build_lm  # noqa: E402
 from duplexd.engine.weights.demo import draw_random_  # noqa: E402
 
-PRESETS = {"tts-1.6b": (TTS_1_6B, 512), "demo-tts": (dataclasses.replace(DEMO_TTS, text_card=1000), 32)}
+PRESETS = {"tts-1.6b": (TTS_1_6B, 512), "demo-tts": (DEMO_TTS, SPEAKER_DIM)}
 FRAME_S = 0.08
 BUDGET_MS = 80.0
 

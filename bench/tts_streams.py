@@ -61,25 +61,18 @@ def duplexd_run(model: DuplexdTTS, voice: torch.Tensor, batch: list[list[Word]])
     started = time.perf_counter()
     for slot, words in enumerate(batch):
         gen.start(slot, words, Voice((voice,)))
-    frames, steps = [0] * len(batch), [0] * len(batch)
+    frames = [0] * len(batch)
     first: list[float | None] = [None] * len(batch)
     live = list(range(len(batch)))
     while live:
         _, valid = gen.step(live)
         now = time.perf_counter() - started
         for slot, ok in zip(live, valid.tolist(), strict=True):
-            steps[slot] += 1
             if ok:
                 frames[slot] += 1
                 if frames[slot] == audio_from + 1:
                     first[slot] = now
-
-        def ended(slot: int) -> bool:  # `generate`'s end: the delay and 4 frames of final padding past the text
-            state = gen.states[slot]
-            assert state is not None
-            return state.end_step is not None and steps[slot] >= state.end_step + audio_from + 4
-
-        live = [slot for slot in live if not ended(slot)]
+        live = [slot for slot in live if not gen.done(slot)]  # a slot drops out when its text is said
     seconds = time.perf_counter() - started
     return sum(frames), seconds, [t for t in first if t is not None]
 

@@ -21,7 +21,15 @@ from ..models.config import DEMO_MIMI_32, TTS_1_6B
 from ..models.mimi import MimiModel
 from ..models.tokenizer import TextTokenizer
 from ..weights.checkpoint import CONFIG_NAME, MIMI_NAME, MOSHI_NAME, save_mimi_weights
-from ..weights.demo import DEMO_SEED, TOKENIZER_NAME, atomic_write, cache_root, ensure_demo, random_lm
+from ..weights.demo import (
+    DEMO_SEED,
+    TOKENIZER_NAME,
+    TOKENIZER_VOCAB,
+    atomic_write,
+    cache_root,
+    ensure_demo,
+    random_lm,
+)
 from .checkpoint import save_tts_weights
 from .conditioning import Conditioner
 from .config import tts_config_from_dict
@@ -63,6 +71,7 @@ def tts_keys(speaker_dim: int, control_dim: int, audio_delay: float = 1.28) -> d
 TTS_KEYS = tts_keys(SPEAKER_DIM, 16)
 DEMO_TTS = dataclasses.replace(
     TTS_1_6B,
+    text_card=TOKENIZER_VOCAB,  # the demo tokenizer's
     dim=128,
     num_heads=4,
     num_layers=3,

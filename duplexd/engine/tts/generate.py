@@ -58,6 +58,7 @@ class TTSGen:
         page_size: int = 16,
         max_padding: int = 8,
         initial_padding: int = 2,
+        final_padding: int = 4,
     ) -> None:
         cfg = model.cfg
         if not cfg.speaks_text:
@@ -83,6 +84,8 @@ class TTSGen:
         self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
         self.states: list[WordState | None] = [None] * num_slots
         self.greedy = [True] * num_slots  # host copies of `temperature == 0`: an all-greedy step takes argmaxes
+        self.steps = [0] * num_slots  # host copies of the slots' offsets: the steps each session has taken
+        self.final_padding = final_padding
 
     def start(self, slot: int, words: Sequence[Word], voice: Voice, temperature: float = 0.0, seed: int = 0) -> None:
         """A new session in `slot`: its words, its voice's keys and values and its sum vector, from position 0."""
@@ -97,6 +100,7 @@ class TTSGen:
         self.temperature[slot] = temperature
         self.seeds[slot] = seed
         self.greedy[slot] = temperature == 0
+        self.steps[slot] = 0
         self.states[slot] = self.feeder.start(words)
 
     def push(self, slot: int, words: Sequence[Word]) -> None:
@@ -111,6 +115,12 @@ class TTSGen:
         """Whether `slot` may step now (`WordFeeder.ready`); a slot that may not is left out of the step and waits
         without holding up the others."""
         return self.feeder.ready(self._state(slot))
+
+    def done(self, slot: int) -> bool:
+        """Whether `slot` has said its text: `final_padding` steps past its last word and the audio delay behind it
+        (moshi's `TTSModel.generate` ends a batch when every item is)."""
+        end = self._state(slot).end_step
+        return end is not None and self.steps[slot] >= end + self.tts.delay_steps + self.final_padding
 
     def _state(self, slot: int) -> WordState:
         state = self.states[slot]
@@ -132,6 +142,7 @@ class TTSGen:
         positions = offsets.tolist()
         for slot, offset, token in zip(slots, positions, sampled.tolist(), strict=True):
             read.append(self.feeder.next_token(offset, self._state(slot), token)[0])
+            self.steps[slot] = offset + 1
         # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
         # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.
         speaking = [row for row, offset in enumerate(positions) if offset >= self.tts.delay_steps]
@@ -199,21 +210,17 @@ def generate(
     voices: Sequence[Voice],
     temperature: float = 0.0,
     seed: int = 0,
-    final_padding: int = 4,
     max_steps: int = 30000,
 ) -> list[TTSResult]:
-    """Say each script in its voice, one slot each, stepping them together until all have ended, as moshi's
+    """Say each script in its voice, one slot each, stepping them together until all are `done`, as moshi's
     `TTSModel.generate` does (its frames, end steps, consumption steps and transcript per script)."""
     slots = list(range(len(scripts)))
     for slot, (words, voice) in enumerate(zip(scripts, voices, strict=True)):
         gen.start(slot, words, voice, temperature, seed)
     results = [TTSResult() for _ in slots]
-    for offset in range(max_steps):
-        states = [gen.states[slot] for slot in slots]
-        ends = [state.end_step for state in states if state is not None]
-        if len(ends) == len(slots) and all(end is not None for end in ends):
-            if offset >= max(e for e in ends if e is not None) + gen.tts.delay_steps + final_padding:
-                break
+    for _ in range(max_steps):
+        if all(gen.done(slot) for slot in slots):
+            break
         out, valid = gen.step(slots)
         for result, row, ok in zip(results, out.tolist(), valid.tolist(), strict=True):
             if ok:

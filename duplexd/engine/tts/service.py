@@ -71,16 +71,14 @@ class SpeechStream:
 @dataclass
 class _Slot:
     stream: SpeechStream
-    steps: int = 0
-    frames: int = 0  # rows out, the first `max_delay` steps give none
     words: int = 0  # words of the transcript already sent
     closing: bool = False
 
 
 class SpeechService:
     def __init__(self, model: TTSModel, max_streams: int, final_padding: int = 4) -> None:
-        self.model, self.final_padding = model, final_padding
-        self.gen = TTSGen(model.lm, model.conditioner, model.tts, num_slots=max_streams)
+        self.model = model
+        self.gen = TTSGen(model.lm, model.conditioner, model.tts, num_slots=max_streams, final_padding=final_padding)
         self.mimi = MimiStreams(model.mimi, max_streams)
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
@@ -157,7 +155,7 @@ class SpeechService:
             for fn in commands:  # the loop thread alone touches the generator's state
                 fn(self.gen)
             with self.lock:
-                live = sorted(i for i in self._slots if self.gen.states[i] is not None and self.gen.ready(i))
+                live = self._ready_slots()
             if live:
                 try:
                     self._step(live)
@@ -168,17 +166,21 @@ class SpeechService:
                             if i in self._slots:
                                 self._end(self._slots[i])
 
+    def _ready_slots(self) -> list[int]:
+        """Lock held: the slots whose session has begun and may step (`TTSGen.ready`)."""
+        return sorted(i for i in self._slots if self.gen.states[i] is not None and self.gen.ready(i))
+
     def _runnable(self) -> bool:
-        return any(s.closing for s in self._slots.values()) or any(
-            self.gen.states[slot] is not None and self.gen.ready(slot) for slot in self._slots
-        )
+        return any(s.closing for s in self._slots.values()) or bool(self._ready_slots())
+
+    def _row(self, slot: int) -> int:
+        """The index of the row `slot`'s last step gave (negative while its codebook delays give none)."""
+        return self.gen.steps[slot] - 1 - self.gen.cfg.max_delay
 
     def _step(self, live: list[int]) -> None:
         tts = self.model.tts
-        out, valid = self.gen.step(live)
-        speaking = [
-            (k, slot) for k, slot in enumerate(live) if valid[k] and self._slots[slot].frames >= tts.delay_steps
-        ]
+        out, _ = self.gen.step(live)
+        speaking = [(k, slot) for k, slot in enumerate(live) if self._row(slot) >= tts.delay_steps]
         pcm = None
         if speaking:
             codes = out[[k for k, _ in speaking], 1:, None]
@@ -186,19 +188,18 @@ class SpeechService:
                 pcm = self.mimi.decode([slot for _, slot in speaking], codes).float().cpu().numpy()
         chunks = {slot: pcm[i] for i, (_, slot) in enumerate(speaking)} if pcm is not None else {}
         with self.lock:
-            for k, slot_id in enumerate(live):
+            for slot_id in live:
                 slot = self._slots.get(slot_id)
                 if slot is None:
                     continue
                 state = self.gen.states[slot_id]
                 assert state is not None
-                slot.steps += 1
                 for text, step in state.transcript[slot.words :]:
                     slot.stream.events.items.append(WordTaken(text, step))
                 slot.words = len(state.transcript)
                 if slot_id in chunks:
-                    slot.stream.events.items.append(SpeechChunk(chunks[slot_id], slot.frames - tts.delay_steps))
-                slot.frames += bool(valid[k])
+                    frame = self._row(slot_id) - tts.delay_steps
+                    slot.stream.events.items.append(SpeechChunk(chunks[slot_id], frame))
                 slot.stream.events.wake()
-                if state.end_step is not None and slot.steps >= state.end_step + tts.delay_steps + self.final_padding:
+                if self.gen.done(slot_id):
                     self._end(slot)

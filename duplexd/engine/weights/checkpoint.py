@@ -264,7 +264,7 @@ def load_mapped(
     rows_for: Callable[[str], list[KeyMap]],
     normalise: Callable[[str], str] = _normalise,
     what: str = "",
-    ignore: Callable[[str], bool] = lambda key: False,
+    ignore: Callable[[str], bool] | None = None,
 ) -> str:
     """Fill `tensors` (by duplexd name) from the safetensors file at `path` through a key map.
 
@@ -276,7 +276,7 @@ def load_mapped(
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
     with handle as f:
-        original = {normalise(k): k for k in f.keys() if not ignore(k)}
+        original = {normalise(k): k for k in f.keys() if ignore is None or not ignore(k)}
         naming = detect_naming(set(original))
         expected = {row.key: row for row in rows_for(naming)}
         missing = set(expected) - set(original)
@@ -409,7 +409,7 @@ def load_lm_weights(model: LMModel, path: Path) -> str:
             raise CheckpointError(f"{path}: {_few(floats)} stored as int8 but loaded as float")
         return rows
 
-    naming = load_mapped(tensors, path, rows_for, ignore=_conditioning_key if model.cfg.speaks_text else _no_key)
+    naming = load_mapped(tensors, path, rows_for, ignore=_conditioning_key if model.cfg.speaks_text else None)
     for name in int8:
         weight = model.get_submodule(name)
         assert isinstance(weight, Int8Weight)
@@ -420,10 +420,6 @@ def load_lm_weights(model: LMModel, path: Path) -> str:
 def _conditioning_key(key: str) -> bool:
     """A Kyutai TTS file's conditioner weights, which `tts.checkpoint` loads, not the LM."""
     return key.startswith(CONDITIONING_PREFIX)
-
-
-def _no_key(key: str) -> bool:
-    return False
 
 
 CONDITIONING_PREFIX = "condition_provider.conditioners."
