@@ -15,7 +15,7 @@ from duplexd.engine.models.mimi import MimiStreams
 from duplexd.engine.tts.demo import DEMO_VOICES, demo_tts_folder
 from duplexd.engine.tts.generate import TTSGen, Voice, generate
 from duplexd.engine.tts.model import load_tts, voice_embedding
-from duplexd.engine.tts.service import SpeechChunk, SpeechService, WordTaken
+from duplexd.engine.tts.service import PCM_LIMIT, SpeechChunk, SpeechEnd, SpeechService, WordTaken
 from duplexd.engine.tts.words import script_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,19 +36,22 @@ def alone(model, text: str, k: int) -> tuple[np.ndarray, list[tuple[str, int]]]:
     result = generate(TTSGen(model.lm, model.conditioner, model.tts, 1), [words], [voice(model, k)])[0]
     codes = torch.tensor([row[1:] for row in result.frames[model.tts.delay_steps :]])
     with torch.no_grad():
-        pcm = MimiStreams(model.mimi, 1).decode([0], codes.t()[None])[0].numpy()
+        pcm = MimiStreams(model.mimi, 1).decode([0], codes.t()[None])[0].clamp(-PCM_LIMIT, PCM_LIMIT).numpy()
     return pcm, result.transcript
 
 
 def collect(stream) -> tuple[np.ndarray, list[tuple[str, int]], list[int]]:
-    chunks, words, frames = [], [], []
+    chunks, words, frames, ends = [], [], [], []
     while (event := stream.get(timeout=120)) is not None:
         if isinstance(event, SpeechChunk):
             chunks.append(event.pcm)
             frames.append(event.frame)
+        elif isinstance(event, SpeechEnd):
+            ends.append(event.steps)
         else:
             assert isinstance(event, WordTaken)
             words.append((event.text, event.step))
+    assert len(ends) == 1 and ends[0] > len(frames), ends  # the end comes once, last, counting the silent steps
     return np.concatenate(chunks), words, frames
 
 

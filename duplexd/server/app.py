@@ -21,8 +21,8 @@ from .core.settings import ServerSettings
 from .core.static import WebClient, static_dir
 from .core.version import VERSION
 from .kyutai import chat, stt_refusal
-from .moshi_server import asr, asr_upload
-from .openai_audio import transcriptions
+from .moshi_server import asr, asr_upload, tts
+from .openai_audio import speech, transcriptions
 from .realtime import conversation, transcription
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,9 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     else:
         app.include_router(chat.router)
         app.include_router(conversation.router)
+    if runtime.speech is not None:  # --tts: moshi-server's /api/tts_streaming and OpenAI's speech endpoint
+        app.include_router(tts.router)
+        app.include_router(speech.router)
     web = static_dir(settings.static)
     if web is not None:
         app.mount("/", WebClient(web), name="web")

@@ -16,6 +16,7 @@ from .core.build_info import BUILD_INFO
 from .core.context import Context
 from .core.version import VERSION
 from .moshi_server.asr import PATH as ASR_PATH
+from .moshi_server.tts import PATH as TTS_PATH
 
 router = APIRouter()
 
@@ -104,6 +105,23 @@ def models(request: Request, ctx: Context) -> dict:
                 "endpoints": ["/v1/audio/transcriptions", "/v1/realtime (input_audio_transcription)"],
             }
         )
+    speech = ctx.runtime.speech
+    if speech is not None:
+        models.append(
+            {
+                "id": speech.id,
+                "object": "model",
+                "created": info.created,
+                "owned_by": "duplexd",
+                "demo": speech.demo,
+                "task": "text-to-speech",
+                "sample_rate": speech.sample_rate,
+                "max_streams": speech.service.max_streams,
+                "voices": sorted(speech.voices),
+                "default_voice": speech.default_voice,
+                "endpoints": [TTS_PATH, "/v1/audio/speech"],
+            }
+        )
     return {"object": "list", "data": models}
 
 
@@ -115,20 +133,31 @@ def build_info() -> dict:
 
 @router.get("/api/modules_info")
 def modules_info(ctx: Context) -> list[dict]:
-    """moshi-server's module list: the speech-to-text module of an STT model (its values strings, as there);
-    nothing for a dialogue model, as moshi-server lists none of its own."""
+    """moshi-server's module list: the speech-to-text module of an STT model and the text-to-speech module of
+    `--tts` (their values strings, as there); nothing for a dialogue model, as moshi-server lists none of its own."""
     runtime = ctx.runtime
     info = runtime.info
-    if not info.speech_to_text:
-        return []
-    used = sum(s.active_sessions for s in runtime.stats())
-    return [
-        {
-            "type": "batched_asr",
-            "path": ASR_PATH,
-            "lm": info.lm_file,
-            "audio_tokenizer": info.mimi_file,
-            "used_slots": str(used),
-            "total_slots": str(runtime.capacity()),
-        }
-    ]
+    modules = []
+    if info.speech_to_text:
+        used = sum(s.active_sessions for s in runtime.stats())
+        modules.append(
+            {
+                "type": "batched_asr",
+                "path": ASR_PATH,
+                "lm": info.lm_file,
+                "audio_tokenizer": info.mimi_file,
+                "used_slots": str(used),
+                "total_slots": str(runtime.capacity()),
+            }
+        )
+    if runtime.speech is not None:  # moshi-server's Python TTS module ("py")
+        service = runtime.speech.service
+        modules.append(
+            {
+                "type": "py",
+                "path": TTS_PATH,
+                "used_slots": str(service.used_streams),
+                "total_slots": str(service.max_streams),
+            }
+        )
+    return modules

@@ -1,11 +1,12 @@
 """The batched text-to-speech service: speech streams sharing one `TTSGen` and Mimi, stepped by one thread.
 
-A stream opens with its voice (`SpeechService.open`), takes words as they come (`push`, then `finish` at the end of
-its text), and gives back events: each word as the model takes it (`WordTaken`, with its step, which moshi-server
-times `Text` messages by) and each 80 ms of speech (`SpeechChunk`, 24 kHz), ending when its text and the audio
-delay behind it are said. The loop thread steps every stream that is `ready` (its next words are there), so a
-stream waiting for words never holds up the others, and sleeps when none is. A stream that closes frees its slot
-at the next step.
+A stream takes a free slot (`SpeechService.open`), starts with its voice (`begin`, or `open(voice)`), takes words
+as they come (`push`, then `finish` at the end of its text), and gives back events: each word or pause as the model
+takes it (`WordTaken`, with its step, which moshi-server times `Text` messages by), each 80 ms of speech
+(`SpeechChunk`, 24 kHz, clamped to ±0.99 as moshi-server's worker clamps it) and, once its text and the audio delay
+behind it are said, `SpeechEnd` with its step count. The loop thread steps every stream that is `ready` (its next
+words are there), so a stream waiting for words never holds up the others, and sleeps when none is. A stream that
+closes frees its slot at the next step.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,9 +30,12 @@ from .words import Word
 logger = logging.getLogger(__name__)
 
 
+PCM_LIMIT = 0.99  # moshi-server's worker clamps the decoded speech to this
+
+
 @dataclass(frozen=True)
 class WordTaken:
-    text: str
+    text: str  # the word's text (a pause's, as it was pushed)
     step: int  # the model's step at which the word started (its `Text` is timed from step + 1)
 
 
@@ -41,7 +45,12 @@ class SpeechChunk:
     frame: int  # the audio frame's index in the stream (0 for the first 80 ms of speech)
 
 
-SpeechEvent = WordTaken | SpeechChunk
+@dataclass(frozen=True)
+class SpeechEnd:
+    steps: int  # the steps the stream took, its last frame included
+
+
+SpeechEvent = WordTaken | SpeechChunk | SpeechEnd
 
 
 class SpeechStream:
@@ -52,8 +61,12 @@ class SpeechStream:
         self.ended = False
         self.events: Mailbox[SpeechEvent] = Mailbox(service.lock, lambda: self.ended)
 
+    def begin(self, voice: Voice, temperature: float = 0.0, seed: int = 0) -> None:
+        """Start saying (before the first `push`): the voice's keys and values are computed on the loop thread."""
+        self._service.begin(self, voice, temperature, seed)
+
     def push(self, words: Sequence[Word]) -> None:
-        self._service.command(self, lambda gen: gen.push(self.slot, words))
+        self._service.push(self, words)
 
     def finish(self) -> None:
         self._service.command(self, lambda gen: gen.finish(self.slot))
@@ -71,13 +84,14 @@ class SpeechStream:
 @dataclass
 class _Slot:
     stream: SpeechStream
-    words: int = 0  # words of the transcript already sent
+    texts: list[str] = field(default_factory=list)  # the words and pauses pushed, in order (loop thread)
+    taken: int = 0  # of them, those the model has taken and the stream was told of
     closing: bool = False
 
 
 class SpeechService:
     def __init__(self, model: TTSModel, max_streams: int, final_padding: int = 4) -> None:
-        self.model = model
+        self.model, self.max_streams = model, max_streams
         self.gen = TTSGen(model.lm, model.conditioner, model.tts, num_slots=max_streams, final_padding=final_padding)
         self.mimi = MimiStreams(model.mimi, max_streams)
         self.lock = threading.Lock()
@@ -103,22 +117,35 @@ class SpeechService:
             for slot in list(self._slots.values()):
                 self._end(slot)
 
-    def open(self, voice: Voice, temperature: float = 0.0, seed: int = 0) -> SpeechStream:
-        """A new stream in a free slot (`CapacityError` when there is none), its voice's keys and values computed
-        on the loop thread before its first step."""
+    def open(self, voice: Voice | None = None, temperature: float = 0.0, seed: int = 0) -> SpeechStream:
+        """A new stream in a free slot (`CapacityError` when there is none), begun in `voice` when one is given."""
         with self.lock:
             if not self._free:
                 raise CapacityError("no free text-to-speech slot")
             stream = SpeechStream(self, self._free.pop(0))
             self._slots[stream.slot] = _Slot(stream)
-
-            def begin(gen: TTSGen) -> None:
-                gen.start(stream.slot, [], voice, temperature, seed)
-                self.mimi.reset(stream.slot)
-
-            self._commands.append((stream, begin))
-            self._wake.notify_all()
+        if voice is not None:
+            stream.begin(voice, temperature, seed)
         return stream
+
+    @property
+    def used_streams(self) -> int:
+        with self.lock:
+            return len(self._slots)
+
+    def begin(self, stream: SpeechStream, voice: Voice, temperature: float, seed: int) -> None:
+        def begin(gen: TTSGen) -> None:
+            gen.start(stream.slot, [], voice, temperature, seed)
+            self.mimi.reset(stream.slot)
+
+        self.command(stream, begin)
+
+    def push(self, stream: SpeechStream, words: Sequence[Word]) -> None:
+        def push(gen: TTSGen) -> None:
+            gen.push(stream.slot, words)  # first: it refuses a stream that has not begun
+            self._slots[stream.slot].texts.extend(word.text for word in words)
+
+        self.command(stream, push)
 
     def command(self, stream: SpeechStream, fn: Callable[[TTSGen], None]) -> None:
         with self.lock:
@@ -150,10 +177,16 @@ class SpeechService:
                     return
                 for closing in [s for s in self._slots.values() if s.closing]:
                     self._end(closing)
-                commands = [fn for stream, fn in self._commands if not stream.ended]  # a closed one's are dropped
+                commands = [(s, fn) for s, fn in self._commands if not s.ended]  # a closed one's are dropped
                 self._commands.clear()
-            for fn in commands:  # the loop thread alone touches the generator's state
-                fn(self.gen)
+            for stream, fn in commands:  # the loop thread alone touches the generator's state
+                try:
+                    fn(self.gen)
+                except Exception:  # noqa: BLE001 - a stream used out of order ends alone
+                    logger.exception("text-to-speech stream in slot %d failed; ending it", stream.slot)
+                    with self.lock:
+                        if self._slots.get(stream.slot) is not None and self._slots[stream.slot].stream is stream:
+                            self._end(self._slots[stream.slot])
             with self.lock:
                 live = self._ready_slots()
             if live:
@@ -185,7 +218,8 @@ class SpeechService:
         if speaking:
             codes = out[[k for k, _ in speaking], 1:, None]
             with torch.no_grad():
-                pcm = self.mimi.decode([slot for _, slot in speaking], codes).float().cpu().numpy()
+                decoded = self.mimi.decode([slot for _, slot in speaking], codes).float()
+            pcm = decoded.clamp_(-PCM_LIMIT, PCM_LIMIT).cpu().numpy()
         chunks = {slot: pcm[i] for i, (_, slot) in enumerate(speaking)} if pcm is not None else {}
         with self.lock:
             for slot_id in live:
@@ -194,12 +228,14 @@ class SpeechService:
                     continue
                 state = self.gen.states[slot_id]
                 assert state is not None
-                for text, step in state.transcript[slot.words :]:
-                    slot.stream.events.items.append(WordTaken(text, step))
-                slot.words = len(state.transcript)
+                events = slot.stream.events.items
+                for step in state.consumed_at[slot.taken :]:
+                    events.append(WordTaken(slot.texts[slot.taken], step))
+                    slot.taken += 1
                 if slot_id in chunks:
                     frame = self._row(slot_id) - tts.delay_steps
-                    slot.stream.events.items.append(SpeechChunk(chunks[slot_id], frame))
-                slot.stream.events.wake()
+                    events.append(SpeechChunk(chunks[slot_id], frame))
                 if self.gen.done(slot_id):
+                    events.append(SpeechEnd(self.gen.steps[slot_id]))
                     self._end(slot)
+                slot.stream.events.wake()

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 NEW_WORD, MAIN, OTHER, PAD, ZERO = 0, 1, 2, 3, -1
 BREAK_OR_SPACE = re.compile(r"(?:<break\s+time=\"([0-9]+(?:.[0-9]*)?)s\"\s*/?>)|(?:\s+)")
+STREAM_BREAK = re.compile(r"<break\s+time=\"([0-9.]+)s\"\s*/>")  # moshi-server's (the `/` required)
+MAX_BREAK_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,7 @@ def script_words(
                     last_speaker = speaker
                     tokens.insert(0, (MAIN, OTHER)[speaker])
                 first = False
-            padding = max(0, padding_between + len(tokens) - 1) if padding_between > 0 else 0
-            words.append(Word(tuple(tokens), text, padding))
+            words.append(Word(tuple(tokens), text, padding_after(tokens, padding_between)))
 
         while line:
             match = BREAK_OR_SPACE.search(line)
@@ -72,6 +73,54 @@ def script_words(
         if line:
             add(line)
     return words
+
+
+def padding_after(tokens: Sequence[int], padding_between: int) -> int:
+    """The padding steps forced after a word starts: `padding_between`, plus one per token beyond its first."""
+    return max(0, padding_between + len(tokens) - 1) if padding_between > 0 else 0
+
+
+@dataclass
+class StreamWords:
+    """A stream's text messages split into words as moshi-server splits them (its `tts_preprocess` and worker).
+
+    Each message: `<break time="Xs"/>` is a pause of X seconds (10 at most, one step at least) named by its tag;
+    the rest normalised (’ to ', – dropped, ':' a space, parentheses dropped) and split at whitespace, each word
+    tokenized alone; the stream's first word starts with `bos` (the main speaker's token). Unlike a script
+    (`script_words`), words are cut only by the messages: a word split across two messages is two words."""
+
+    encode: Callable[[str], list[int]]
+    bos: int = MAIN
+    padding_between: int = 1
+    frame_rate: float = 12.5
+    started: bool = False
+
+    def split(self, text: str) -> list[Word]:
+        words: list[Word] = []
+        at = 0
+        for match in STREAM_BREAK.finditer(text):
+            words.extend(self._words(text[at : match.start()]))
+            try:
+                seconds = float(match.group(1))
+            except ValueError:  # "1.2.3": not a number, so no pause (the tag is dropped)
+                seconds = 0.0
+            if seconds > 0:
+                steps = max(int(min(seconds, MAX_BREAK_SECONDS) * self.frame_rate), 1)
+                words.append(Word((), f'<break time="{seconds:.2f}s">', steps))
+            at = match.end()
+        words.extend(self._words(text[at:]))
+        return words
+
+    def _words(self, text: str) -> list[Word]:
+        text = text.replace("’", "'").replace("–", "").replace(":", " ").replace("(", "").replace(")", "")
+        words = []
+        for word in text.split():
+            tokens = list(self.encode(word))
+            if not self.started:
+                self.started = True
+                tokens.insert(0, self.bos)
+            words.append(Word(tuple(tokens), word, padding_after(tokens, self.padding_between)))
+        return words
 
 
 @dataclass

@@ -16,11 +16,11 @@ import signal
 import socket
 import time
 from types import FrameType
+from typing import Protocol
 
 import uvicorn
 
 from duplexd.server.connection.closing import Close, CloseCode
-from duplexd.server.connection.pump import Pump
 
 logger = logging.getLogger(__name__)
 
@@ -28,22 +28,28 @@ POLL_SECONDS = 0.05
 CLOSE_WAIT_SECONDS = 5.0  # for sessions told to go away to send their close frames
 
 
+class Open(Protocol):
+    """An open connection the drain can end (a session's pump, a speech stream)."""
+
+    def end(self, close: Close) -> None: ...
+
+
 class Drain:
     """The open sessions and whether the server is draining: read by `/ready` and admission, run by the server."""
 
     def __init__(self) -> None:
         self.draining = False
-        self._pumps: set[Pump] = set()
+        self._pumps: set[Open] = set()
         self._cut = False
 
     @property
     def open_sessions(self) -> int:
         return len(self._pumps)
 
-    def add(self, pump: Pump) -> None:
+    def add(self, pump: Open) -> None:
         self._pumps.add(pump)
 
-    def discard(self, pump: Pump) -> None:
+    def discard(self, pump: Open) -> None:
         self._pumps.discard(pump)
 
     def cut(self) -> None:

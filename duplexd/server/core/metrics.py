@@ -50,6 +50,10 @@ class _EngineCollector(Collector):
             )
             gauges["duplexd_transcription_queue_depth"] = ("finished utterances waiting for the decoder", t.queued)
             gauges["duplexd_transcription_speaking"] = ("transcribed sessions in an utterance now", t.speaking)
+        speech = self.runtime.speech
+        if speech is not None:
+            gauges["duplexd_tts_streams"] = ("speech streams holding a slot", speech.service.used_streams)
+            gauges["duplexd_tts_streams_capacity"] = ("speech stream slots", speech.service.max_streams)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {

@@ -20,6 +20,7 @@ from duplexd.engine.errors import CheckpointError, InputRefused
 from duplexd.engine.models.config import LMConfig
 from duplexd.engine.persona.voices import AUDIO_SUFFIXES, PRESET_SUFFIX, voice_files
 from duplexd.engine.transcription.transcriber import import_transformers
+from duplexd.engine.tts.model import read_config
 from duplexd.engine.weights.hub import hub_repo
 from duplexd.engine.weights.model_files import check_model_files
 
@@ -51,6 +52,15 @@ def check_transcriber(ref: str) -> None:
         import_transformers()
     except CheckpointError as e:
         raise CheckpointError(f"{ref}: {e}", "transcribe") from None
+
+
+def check_tts(settings: ServerSettings) -> None:
+    """`--tts` is demo-tts or a folder holding a Kyutai TTS config (the weights are read at load), and
+    `--tts-voices` a folder."""
+    if settings.tts is not None and settings.tts != "demo-tts":
+        read_config(Path(settings.tts))  # CheckpointError (option "model") naming what the folder lacks
+    if settings.tts_voices is not None and not Path(settings.tts_voices).is_dir():
+        raise CheckpointError(f"{settings.tts_voices}: not a folder", "tts_voices")
 
 
 def _not_gemma4_with_audio(folder: Path) -> str | None:
@@ -174,6 +184,12 @@ def preflight(settings: ServerSettings) -> socket.socket:
             check_devices([settings.transcribe_device], "transcribe_device")
         if settings.transcribe is not None:
             check_transcriber(settings.transcribe)
+        if settings.tts_device is not None:
+            check_devices([settings.tts_device], "tts_device")
+        try:
+            check_tts(settings)
+        except CheckpointError as e:
+            raise CheckpointError(str(e), "tts" if e.option == "model" else e.option) from None
     except InputRefused as e:
         raise refused(settings, e) from None
     check_tls(settings)

@@ -44,6 +44,7 @@ from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFile
 
 from .persona import PersonaRefused, Personas
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
+from .speech import SpeechModel, load_speech
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +144,12 @@ class Runtime:
         voices: VoiceLibrary | None = None,
         personas: Personas | None = None,
         tokenizer: TextTokenizer | None = None,
+        speech: SpeechModel | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("no engine to serve with")
         self.engines, self.info, self.transcription = engines, info, transcription
+        self.speech = speech  # `--tts`: the text-to-speech model served beside the main one
         self.tokenizer = tokenizer  # the LM's, for what reads its text ids (words of /api/asr-streaming)
         self.voices = voices  # `--voices`, loaded and encoded once
         self.personas = personas or Personas.off()  # what a session's text and voice prompt turn into
@@ -165,12 +168,16 @@ class Runtime:
             logger.info("engine on %s warm in %.1f s", engine.device, time.perf_counter() - started)
         if self.transcription is not None:
             self.transcription.start()
+        if self.speech is not None:
+            self.speech.service.start()
 
     def stop(self) -> None:
         for engine in self.engines:
             engine.stop()
         if self.transcription is not None:
             self.transcription.stop()
+        if self.speech is not None:
+            self.speech.service.stop()
 
     def open_session(
         self, params: SamplingParams, max_frames: int | None = None, prompt: PersonaPrompt | None = None
@@ -284,6 +291,10 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         tokenizer_path = resolve_file(files.tokenizer, TOKENIZER_NAME)
         tokenizer = TextTokenizer(tokenizer_path)
     transcription, transcriber_id = load_transcription(settings) if settings.transcribe else (None, None)
+    speech = None
+    if settings.tts is not None:
+        tts_device = settings.tts_device or settings.devices[0]
+        speech = load_speech(settings, tts_device, weight_dtype(settings, tts_device))
     engines = []
     models: list[tuple[LMModel, MimiModel]] = []
     for index, device in enumerate(settings.devices):
@@ -353,7 +364,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         asr_delay_tokens=asr_delay_tokens(settings, files) if lm.cfg.text_only else None,
         pause_heads=lm.cfg.extra_heads_num_heads,
     )
-    return Runtime(engines, info, transcription, voices, personas, tokenizer)
+    return Runtime(engines, info, transcription, voices, personas, tokenizer, speech)
 
 
 def asr_delay_tokens(settings: ServerSettings, files: ModelFiles) -> int:

@@ -46,6 +46,7 @@ def opt(
 
 _NET, _MODEL, _CAP, _ACCESS = "network", "model (default: the demo model, on the CPU)", "capacity and limits", "access"
 _ASR = "transcription of the users' speech (Gemma 4; needs the gemma extra)"
+_TTS = "text to speech (a Kyutai TTS model beside the main one: /api/tts_streaming, /v1/audio/speech)"
 
 
 class ServerSettings(BaseSettings):
@@ -202,6 +203,37 @@ class ServerSettings(BaseSettings):
         ge=1,
     )
     max_transcribe_seconds: float = opt(600.0, "longest audio file transcribed, in seconds", _ASR, gt=0)
+    tts: str | None = opt(
+        None,
+        "also serve this Kyutai TTS model: its folder (config.json naming its files, as kyutai/tts-1.6b-en_fr), or "
+        "demo-tts (tiny, random weights: no download, speaks noise)",
+        _TTS,
+        metavar="MODEL",
+    )
+    tts_voices: str | None = opt(
+        None,
+        "the voices folder, laid out as kyutai/tts-voices (default: the model folder's voices/)",
+        _TTS,
+        metavar="DIR",
+    )
+    tts_default_voice: str | None = opt(
+        None,
+        "the voice of a stream that names none or an unknown one, as moshi-server's default_voice (default: "
+        "unmute-prod-website/default_voice.wav when there is one, else the first voice)",
+        _TTS,
+        metavar="NAME",
+    )
+    tts_device: str | None = opt(None, "device of the TTS model (default: the first --device)", _TTS)
+    tts_streams: int = opt(8, "speech streams said at once (slots)", _TTS, metavar="N", ge=1)
+    tts_cfg_coef: float = opt(
+        2.0, "the CFG coefficient of the distilled model's voices (moshi-server's cfg_coef)", _TTS, metavar="C"
+    )
+    tts_temperature: float | None = opt(
+        None, "sampling temperature of speech (default: the model's, 0.6); 0 is greedy", _TTS, metavar="T", ge=0
+    )
+    tts_idle_timeout: float = opt(
+        30.0, "close a speech stream after this many seconds without a client frame (moshi-server's 30 s)", _TTS, gt=0
+    )
     api_key: str | None = opt(
         None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS, metavar="KEY"
     )

@@ -17,12 +17,10 @@ import logging
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
-from fastapi.responses import JSONResponse
 
 from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.server.codec.batches import CodecBatches, Decoder, Encoder, codec_close
 from duplexd.server.codec.errors import AudioError
-from duplexd.server.connection.access import access_denied
 from duplexd.server.connection.admission import serve
 from duplexd.server.connection.closing import Close, CloseCode
 from duplexd.server.connection.pump import Pump, binary_frame
@@ -31,7 +29,7 @@ from duplexd.server.stt.feeder import Feeder
 from duplexd.server.stt.session import admitted, asr_parameters, new_stream
 
 from . import asr_messages as messages
-from .stream import StreamAdapter
+from .stream import StreamAdapter, refuse_upgrade
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -91,13 +89,7 @@ class AsrAdapter(StreamAdapter):
 
 @router.websocket(PATH)
 async def asr_streaming(ws: WebSocket, ctx: Context) -> None:
-    denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)
-    if denied is not None and "websocket.http.response" in ws.scope.get("extensions", {}):
-        # before the upgrade, as moshi-server: 401 (403 for a browser origin not allowed); a server without the
-        # denial extension accepts, and admission refuses with a close code
-        ctx.metrics.refused.labels(denied[0]).inc()
-        status = 401 if denied[0] == "invalid_api_key" else 403
-        await ws.send_denial_response(JSONResponse({"error": denied[0], "message": denied[1]}, status_code=status))
+    if await refuse_upgrade(ws, ctx):
         return
     adapter = AsrAdapter(ws, ctx)
 

@@ -56,7 +56,7 @@ def decode(data: bytes) -> ClientMessage:
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise MessageError(f"not a MessagePack message ({e})") from None
     if not isinstance(value, dict):
-        raise MessageError(f"expected a MessagePack map with a `type`, got {_kind(value)}")
+        raise MessageError(f"expected a MessagePack map with a `type`, got {kind_of(value)}")
     kind = value.get("type")
     if kind == "Audio":
         return Audio(_pcm(_field(value, "Audio", "pcm")))
@@ -65,7 +65,7 @@ def decode(data: bytes) -> ClientMessage:
     if kind == "Marker":
         marker = _field(value, "Marker", "id")
         if type(marker) is not int or not I64[0] <= marker <= I64[1]:
-            raise MessageError(f"Marker: `id` must be a 64-bit integer, got {_kind(marker)}")
+            raise MessageError(f"Marker: `id` must be a 64-bit integer, got {kind_of(marker)}")
         return Marker(marker)
     if kind is None:
         raise MessageError(f"the message has no `type`; send one of {', '.join(CLIENT_TYPES)}")
@@ -81,7 +81,7 @@ def _field(message: dict, kind: str, name: str) -> Any:
 def _pcm(value: Any) -> np.ndarray:
     """Samples as float32; serde takes any number as an f32, nothing else."""
     if not isinstance(value, list):
-        raise MessageError(f"Audio: `pcm` must be an array of float samples, got {_kind(value)}")
+        raise MessageError(f"Audio: `pcm` must be an array of float samples, got {kind_of(value)}")
     wrong = MessageError("Audio: `pcm` must be an array of numbers (24 kHz mono float samples)")
     try:
         samples = np.asarray(value)
@@ -101,10 +101,10 @@ def _bytes(value: Any) -> bytes:
             return bytes(value)
         except ValueError:
             pass
-    raise MessageError(f"OggOpus: `data` must be binary (Ogg/Opus bytes), got {_kind(value)}")
+    raise MessageError(f"OggOpus: `data` must be binary (Ogg/Opus bytes), got {kind_of(value)}")
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     names = {dict: "a map", list: "an array", str: "a string", bytes: "binary", bool: "a boolean", type(None): "nil"}
     return names.get(type(value), f"a {type(value).__name__}")
 

@@ -11,9 +11,13 @@ length, engine or codec failure, a message it cannot read) is the close frame al
 from __future__ import annotations
 
 import msgpack
+from fastapi import WebSocket
+from fastapi.responses import JSONResponse
 
+from duplexd.server.connection.access import access_denied
 from duplexd.server.connection.closing import Close
 from duplexd.server.connection.pump import Adapter
+from duplexd.server.core.context import ServerContext
 
 NO_FREE_CHANNELS = "no free channels"  # moshi-server's refusal at capacity, which Unmute recognises
 
@@ -44,3 +48,16 @@ class StreamAdapter(Adapter):
         if self.is_ready:
             return  # the close frame alone says why
         await self.send_bytes(pack(error(NO_FREE_CHANNELS if close.error == "capacity" else close.message)))
+
+
+async def refuse_upgrade(ws: WebSocket, ctx: ServerContext) -> bool:
+    """Refuse the upgrade as moshi-server does, with HTTP 401 without the API key (403 for a browser origin not
+    allowed); True when refused. A server without the denial extension accepts, and admission refuses with a
+    close code."""
+    denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)
+    if denied is None or "websocket.http.response" not in ws.scope.get("extensions", {}):
+        return False
+    ctx.metrics.refused.labels(denied[0]).inc()
+    status = 401 if denied[0] == "invalid_api_key" else 403
+    await ws.send_denial_response(JSONResponse({"error": denied[0], "message": denied[1]}, status_code=status))
+    return True

@@ -49,6 +49,8 @@ from duplexd.server.codec.upload import Decoded, UploadError, decode
 from duplexd.server.connection.access import key_ok
 from duplexd.server.core.context import Context, ServerContext
 
+from .errors import ApiError
+
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
@@ -57,19 +59,6 @@ FORM_SLACK = 256 << 10  # multipart framing and text fields, allowed on top of t
 DRAIN_CAP = 64 << 20  # after a refusal, body bytes read and dropped at most; past this the connection is closed
 MAX_PROMPT = 4000  # characters
 MAX_LANGUAGE = 32
-
-
-class ApiError(Exception):
-    """A refusal, as OpenAI words them."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-
-    def response(self) -> JSONResponse:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        body = {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
 
 
 class _TooLarge(Exception):

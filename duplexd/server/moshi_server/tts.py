@@ -1,0 +1,341 @@
+"""`/api/tts_streaming`: moshi-server's streaming text to speech, for Kyutai's clients (Unmute, DSM's scripts).
+
+WebSocket. The upgrade is refused with HTTP 401 without the API key (`kyutai-api-key` or `auth_id`, as
+moshi-server) and 400 for a `format` it does not know; other query parameters (`cfg_alpha`, `seed`...) are
+accepted and ignored, as moshi-server's Python module ignores them. A stream takes a slot at once and says `Ready`
+(MessagePack formats), or `Error{"no free channels"}` and the close when there is none. Its text comes as text
+frames or `Text` messages, split into words as moshi-server splits them (`StreamWords`); a `Voice` before the first
+text replaces the query's `voice`, and an unknown voice name falls back to the default voice. `Eos` (or `\\0`) ends
+the text; the audio follows, 80 ms a message, each word as a `Text` message timed as moshi-server times it (word
+j, taken at step c_j, runs from (c_j + 1) / 12.5 s to (c_{j+1} + 1) / 12.5 s; the last to the stream's step count),
+and the close frame once all is said. After `Ready`, every end is the close frame alone (`stream.StreamAdapter`'s
+rule): 1007 for a message it cannot read or a voice it cannot use, 1000 for a client silent for
+`--tts-idle-timeout` (30 s) before its end of text, 1001 on shutdown.
+
+POST with a JSON body `{text, voice}` answers a streaming 16-bit WAV (its sizes unknown, so 0xFFFFFFFF), as
+moshi-server does; a full server answers 503 at once rather than holding the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.websockets import WebSocketState
+
+from duplexd.engine.errors import CapacityError, SessionClosed
+from duplexd.engine.tts.generate import Voice
+from duplexd.engine.tts.service import SpeechChunk, SpeechEnd, SpeechStream, WordTaken
+from duplexd.server.codec.batches import Encoder
+from duplexd.server.codec.wav import pcm16, wav_header
+from duplexd.server.connection.access import key_ok
+from duplexd.server.connection.closing import Close, CloseCode, Disconnected
+from duplexd.server.connection.pump import receive
+from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.core.speech import SpeechModel, VoiceRefused
+from duplexd.wire import FRAME_RATE
+
+from . import tts_messages as messages
+from .asr_messages import MessageError
+from .stream import NO_FREE_CHANNELS, refuse_upgrade
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+PATH = "/api/tts_streaming"
+
+
+def speech_of(ctx: ServerContext) -> SpeechModel:
+    assert ctx.runtime.speech is not None  # the routes are mounted only with a TTS model
+    return ctx.runtime.speech
+
+
+def open_stream(ctx: ServerContext) -> SpeechStream:
+    """A slot for a new stream: `CapacityError` when the server is draining, warming up or full."""
+    if ctx.drain.draining:
+        raise CapacityError("server draining (shutting down): connect to another replica")
+    if not ctx.runtime.ready:
+        raise CapacityError("the model is still warming up" if ctx.runtime.failed is None else "the model failed")
+    return speech_of(ctx).service.open()
+
+
+@dataclass
+class WordTimes:
+    """moshi-server's `Text` timing: a word is told when the next one starts, or at the end of the stream."""
+
+    pending: tuple[str, int] | None = None  # the last word taken, and the step count it started at
+
+    def taken(self, event: WordTaken) -> tuple[str, float, float] | None:
+        told = self._tell(event.step + 1)
+        self.pending = (event.text, event.step + 1)
+        return told
+
+    def end(self, steps: int) -> tuple[str, float, float] | None:
+        told = self._tell(steps)
+        self.pending = None
+        return told
+
+    def _tell(self, steps: int) -> tuple[str, float, float] | None:
+        if self.pending is None or not self.pending[0]:
+            return None
+        text, start = self.pending
+        return text, start / FRAME_RATE, steps / FRAME_RATE
+
+
+class TtsConnection:
+    """One `/api/tts_streaming` socket from `Ready` to its close: a reader (text in), a writer (speech out)."""
+
+    def __init__(self, ws: WebSocket, ctx: ServerContext, stream: SpeechStream, fmt: str, voice: str | None) -> None:
+        self.ws, self.ctx, self.stream, self.format = ws, ctx, stream, fmt
+        self.speech = speech_of(ctx)
+        self.voice_name = voice
+        self.custom_voice: Voice | None = None
+        self.words = self.speech.words()
+        self.begun = self.finished = False
+        self.last_message = time.monotonic()
+        self.encoder: Encoder | None = None
+        self._ended = asyncio.Event()
+        self._end_close: Close | None = None
+
+    def end(self, close: Close) -> None:
+        """End from outside (the drain timed out)."""
+        self._end_close = close
+        self._ended.set()
+
+    async def send(self, data: bytes) -> None:
+        await asyncio.wait_for(self.ws.send_bytes(data), self.ctx.settings.send_timeout)
+
+    # ------------------------------------------------------------------------------------------- client → model
+
+    async def read(self) -> None:
+        limit = self.ctx.settings.max_message_bytes
+        while True:
+            message = await receive(self.ws)
+            self.last_message = time.monotonic()
+            size = len(message.get("bytes") or message.get("text") or "")
+            if size > limit:
+                raise Close(CloseCode.MESSAGE_TOO_BIG, "message_too_big", f"message of {size} bytes over {limit}")
+            try:
+                self.on_message(messages.decode(message))
+            except (MessageError, VoiceRefused) as e:
+                raise Close(CloseCode.INVALID_PAYLOAD, "invalid_message", str(e)) from None
+
+    def on_message(self, msg: messages.ClientMessage) -> None:
+        if isinstance(msg, messages.VoiceMessage):
+            if self.begun:
+                logger.info("tts stream %d: a Voice after the first text is ignored", self.stream.slot)
+            else:
+                self.custom_voice = self.speech.custom_voice(msg.embeddings, msg.shape)
+            return
+        if self.finished:
+            return  # after the end of the text nothing more is said
+        if isinstance(msg, messages.Eos):
+            self.finished = True
+            if not self.begun:  # no word at all: the stream ends with nothing to say, as moshi-server's
+                raise Close(CloseCode.NORMAL, "no_text", "the text was empty")
+            self.stream.finish()
+            return
+        words = self.words.split(msg.text)
+        if not words:
+            return
+        if not self.begun:
+            self.begun = True
+            voice = self.custom_voice or self.speech.voice(self.voice_name)
+            self.stream.begin(voice, self.speech.temperature, random.getrandbits(31))
+        self.stream.push(words)
+
+    # ------------------------------------------------------------------------------------------- model → client
+
+    async def write(self) -> None:
+        times = WordTimes()
+        while (event := await self.stream.recv()) is not None:
+            if isinstance(event, WordTaken):
+                await self.send_word(times.taken(event))
+            elif isinstance(event, SpeechChunk):
+                await self.send_audio(event.pcm)
+            elif isinstance(event, SpeechEnd):
+                await self.send_word(times.end(event.steps))
+                raise Close(CloseCode.NORMAL, "end_of_speech", "all the text was said")
+        raise Close(CloseCode.INTERNAL_ERROR, "engine_error", "the model failed on this stream; please retry")
+
+    async def send_word(self, word: tuple[str, float, float] | None) -> None:
+        if word is not None and messages.packed(self.format):
+            await self.send(messages.word(*word))
+
+    async def send_audio(self, pcm: np.ndarray) -> None:
+        if self.format == "Pcm":
+            await self.send(messages.raw_pcm(pcm))
+        elif self.format == "PcmMessagePack":
+            await self.send(messages.audio(pcm))
+        else:
+            codec = self.ctx.codec
+            if self.encoder is None:
+                self.encoder = codec.streams(self.ctx.settings.opus_profile, self.speech.sample_rate)[1]
+            pages = await codec.encode(self.encoder, pcm)
+            await self.send(pages if self.format == "OggOpus" else messages.ogg_opus(pages))
+
+    async def watch(self) -> None:
+        """The idle timeout: a stream waiting for text that sends nothing for `--tts-idle-timeout` is closed (once
+        its text has ended, the speech it waits for may take longer)."""
+        timeout = self.ctx.settings.tts_idle_timeout
+        while True:
+            idle_at = self.last_message + timeout
+            now = time.monotonic()
+            if now >= idle_at and not self.finished:
+                raise Close(CloseCode.NORMAL, "idle_timeout", f"idle timeout: no message for {timeout:g} s")
+            await asyncio.sleep(max(idle_at - now, 0.5))
+
+    async def until_ended(self) -> None:
+        await self._ended.wait()
+        assert self._end_close is not None
+        raise self._end_close
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(job()) for job in (self.read, self.write, self.watch, self.until_ended)]
+        outcome: BaseException | None = None
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            outcome = (tasks[1] if tasks[1] in done else next(iter(done))).exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            self.stream.close()
+            if self.encoder is not None:
+                self.ctx.codec.release(self.encoder)
+        metrics = self.ctx.metrics
+        if isinstance(outcome, Disconnected) or outcome is None:
+            metrics.closed.labels("client" if outcome is None else outcome.label).inc()
+            return
+        if not isinstance(outcome, Close):
+            if not isinstance(outcome, (asyncio.TimeoutError, OSError, RuntimeError)):
+                logger.error("tts stream failed", exc_info=outcome)
+            outcome = Close(CloseCode.INTERNAL_ERROR, "internal_error", "internal server error")
+        metrics.closed.labels(outcome.error).inc()
+        if outcome.code in (CloseCode.INVALID_PAYLOAD, CloseCode.MESSAGE_TOO_BIG):
+            metrics.protocol_errors.labels("tts", outcome.error).inc()
+        await close_socket(self.ws, outcome, self.ctx.settings.send_timeout)
+
+
+async def close_socket(ws: WebSocket, close: Close, timeout: float) -> None:
+    """The close frame alone (after `Ready` moshi-server's clients take nothing else), if the socket is open."""
+    if ws.client_state != WebSocketState.CONNECTED or ws.application_state != WebSocketState.CONNECTED:
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.close(close.code, close.reason), min(timeout, 2.0))
+
+
+def stream_format(ws: WebSocket | Request) -> str | None:
+    fmt = ws.query_params.get("format", messages.DEFAULT_FORMAT)
+    return fmt if fmt in messages.FORMATS else None
+
+
+@router.websocket(PATH)
+async def tts_streaming(ws: WebSocket, ctx: Context) -> None:
+    if await refuse_upgrade(ws, ctx):
+        return
+    fmt = stream_format(ws)
+    if fmt is None:
+        await refuse_format(ws, ctx)
+        return
+    await ws.accept()
+    try:
+        stream = open_stream(ctx)
+    except CapacityError as e:
+        ctx.metrics.refused.labels("capacity").inc()
+        logger.info("tts stream refused: %s", e)
+        if messages.packed(fmt):
+            with contextlib.suppress(Exception):
+                await ws.send_bytes(messages.error(NO_FREE_CHANNELS))
+        await close_socket(ws, Close(CloseCode.TRY_AGAIN_LATER, "capacity", str(e)), ctx.settings.send_timeout)
+        return
+    ctx.metrics.sessions.labels("tts").inc()
+    connection = TtsConnection(ws, ctx, stream, fmt, ws.query_params.get("voice"))
+    ctx.drain.add(connection)
+    try:
+        if messages.packed(fmt):
+            try:
+                await connection.send(messages.ready())
+            except Exception:  # noqa: BLE001 - the client left during the greeting
+                stream.close()
+                ctx.metrics.closed.labels("lost").inc()
+                return
+        await connection.run()
+    finally:
+        ctx.drain.discard(connection)
+
+
+async def refuse_format(ws: WebSocket, ctx: ServerContext) -> None:
+    """400 before the upgrade, as moshi-server's query parsing; a server without the denial extension accepts and
+    closes with 1007 naming the formats."""
+    message = f"unknown format {ws.query_params.get('format')!r}: one of {', '.join(messages.FORMATS)}"
+    ctx.metrics.refused.labels("invalid_parameter").inc()
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        body = {"error": "invalid_parameter", "message": message}
+        await ws.send_denial_response(JSONResponse(body, status_code=400))
+        return
+    await ws.accept()
+    await close_socket(ws, Close(CloseCode.INVALID_PAYLOAD, "invalid_parameter", message), ctx.settings.send_timeout)
+
+
+# ------------------------------------------------------------------------------------------- POST
+
+
+class TtsQuery(BaseModel):
+    text: str
+    voice: str | None = None
+
+
+async def spoken(stream: SpeechStream) -> AsyncIterator[np.ndarray]:
+    """A stream's speech, frame by frame, closing it however the iteration ends."""
+    try:
+        while (event := await stream.recv()) is not None:
+            if isinstance(event, SpeechChunk):
+                yield event.pcm
+    finally:
+        stream.close()
+
+
+@router.post(PATH)
+async def tts_post(request: Request, ctx: Context) -> Response:
+    if not key_ok(request, ctx.settings.api_key):
+        return JSONResponse({"error": "invalid_api_key", "message": "missing or wrong API key"}, status_code=401)
+    try:
+        query = TtsQuery.model_validate_json(await request.body())
+    except ValidationError as e:
+        message = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:3])
+        return JSONResponse({"error": "invalid_request", "message": message}, status_code=422)
+    speech = speech_of(ctx)
+    words = speech.words().split(query.text)
+    if not any(word.tokens for word in words):
+        return JSONResponse({"error": "invalid_request", "message": "no words to say"}, status_code=422)
+    try:
+        stream = open_stream(ctx)
+    except CapacityError as e:
+        ctx.metrics.refused.labels("capacity").inc()
+        return JSONResponse({"error": "capacity", "message": f"{NO_FREE_CHANNELS}: {e}"}, status_code=503)
+    try:
+        stream.begin(speech.voice(query.voice), speech.temperature, random.getrandbits(31))
+        stream.push(words)
+        stream.finish()
+    except SessionClosed:
+        return JSONResponse({"error": "engine_error", "message": "the model failed"}, status_code=500)
+    ctx.metrics.sessions.labels("tts_post").inc()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield wav_header(speech.sample_rate)
+        async for pcm in spoken(stream):
+            yield pcm16(pcm)
+
+    return StreamingResponse(body(), media_type="audio/wav")
