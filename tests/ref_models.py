@@ -172,3 +172,44 @@ def reference_tts(lm: RefLMModel, delay_steps: int, **kwargs):
         n_q=lm.dep_q,
         **kwargs,
     )
+
+
+def tts_reference_kwargs(raw: dict) -> dict:
+    """moshi's LM kwargs for a Kyutai TTS config.json `raw` (its conditioners, fuser and TTS switches)."""
+    from duplexd.engine.weights.config_file import lm_config_from_dict
+
+    kwargs = lm_config_from_dict(raw).to_reference_json()
+    kwargs.pop("demux_second_text_stream")
+    kwargs |= {k: raw[k] for k in ("conditioners", "fuser", "demux_second_stream", "depformer_weights_per_step")}
+    return copy.deepcopy(kwargs)
+
+
+@torch.no_grad()
+def tuned_tts_lm(raw: dict, calibrate, seed: int = 0) -> RefLMModel:
+    """moshi's TTS LM for `raw` with every weight redrawn (norms and LayerNorm parameters off 1 and 0, the
+    conditioners' padding rows and tables too) and the text head leaning to PAD and NEW_WORD, so the model's own
+    samples start words rather than the padding limit: PAD against NEW_WORD along one direction of the hidden
+    state, its mean taken out over `calibrate(lm)` (a generation run), so the state's side of it picks, and both
+    outweigh the other text tokens."""
+    torch.manual_seed(seed)
+    lm = loaders.get_moshi_lm(None, lm_kwargs=tts_reference_kwargs(raw), device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in lm.named_parameters():
+        if name.endswith("alpha") or name.endswith("norm_cross.weight"):
+            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("bias") or "learnt_padding" in name or "embed.weight" in name:
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        elif p.dim() == 2 and "emb" not in name:
+            p.copy_(1.5 * torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    lm.eval()
+    hidden: list[torch.Tensor] = []
+    lm.text_linear.register_forward_hook(lambda module, args, out: hidden.append(args[0].reshape(-1, lm.dim)))
+    calibrate(lm)
+    lm.text_linear._forward_hooks.clear()
+    states = torch.cat(hidden)
+    mean = states.mean(0)
+    u = torch.randn(lm.dim, generator=gen)
+    u -= (u @ mean) / (mean @ mean) * mean
+    u *= 4.0 / (states @ u).std()
+    lm.text_linear.weight[0], lm.text_linear.weight[3] = u, -u
+    return lm

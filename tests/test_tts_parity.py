@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from moshi.models import loaders
 from moshi.models.tts import Entry, StateMachine, TokenIds, script_to_entries
 from safetensors.torch import save_file
 
@@ -23,7 +22,7 @@ from duplexd.engine.tts.words import Word, WordFeeder, script_words
 from duplexd.engine.weights.checkpoint import load_lm
 from duplexd.engine.weights.config_file import lm_config_from_dict
 
-from .ref_models import reference_tts
+from .ref_models import reference_tts, tuned_tts_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,43 +53,11 @@ RAW = {
 DELAY_STEPS = 5  # int(0.4 * 12.5)
 
 
-def reference_kwargs(raw: dict) -> dict:
-    cfg = lm_config_from_dict(raw)
-    kwargs = cfg.to_reference_json()
-    kwargs.pop("demux_second_text_stream")
-    kwargs |= {k: raw[k] for k in ("conditioners", "fuser", "demux_second_stream", "depformer_weights_per_step")}
-    return copy.deepcopy(kwargs)
-
-
-@torch.no_grad()
 def reference_tts_lm(voice_path, seed: int = 0):
-    """moshi's LM for RAW with every weight redrawn (norms and LayerNorm parameters off 1 and 0, the conditioners'
-    padding rows and tables too) and the text head leaning to PAD and NEW_WORD, so the model's own samples start
-    words rather than the padding limit."""
-    torch.manual_seed(seed)
-    lm = loaders.get_moshi_lm(None, lm_kwargs=reference_kwargs(RAW), device="cpu", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in lm.named_parameters():
-        if name.endswith("alpha") or name.endswith("norm_cross.weight"):
-            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-        elif name.endswith("bias") or "learnt_padding" in name or "embed.weight" in name:
-            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-        elif p.dim() == 2 and "emb" not in name:
-            p.copy_(1.5 * torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-    lm.eval()
-    # PAD against NEW_WORD along one direction of the hidden state, its mean taken out (a calibration run): the
-    # state's side of it picks, and both outweigh the other text tokens.
-    hidden: list[torch.Tensor] = []
-    lm.text_linear.register_forward_hook(lambda module, args, out: hidden.append(args[0].reshape(-1, lm.dim)))
-    reference_generate(lm, [script_words([SCRIPTS[0]], encode)], [voice_path])
-    lm.text_linear._forward_hooks.clear()
-    states = torch.cat(hidden)
-    mean = states.mean(0)
-    u = torch.randn(lm.dim, generator=gen)
-    u -= (u @ mean) / (mean @ mean) * mean
-    u *= 4.0 / (states @ u).std()
-    lm.text_linear.weight[0], lm.text_linear.weight[3] = u, -u
-    return lm
+    """moshi's LM for RAW, redrawn and leaning to start words (`tuned_tts_lm`), calibrated on the first script."""
+    return tuned_tts_lm(
+        RAW, lambda lm: reference_generate(lm, [script_words([SCRIPTS[0]], encode)], [voice_path]), seed
+    )
 
 
 def encode(word: str) -> list[int]:
