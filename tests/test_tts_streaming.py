@@ -1,214 +1,51 @@
-"""`/api/tts_streaming` on a real server, against moshi-server's behaviour and Unmute's client.
-
-The server (`duplexd serve` with Kyutai's STT as its main model and `--tts` a random TTS model written as Kyutai
-lays its repos out, its text head leaning to start words itself) is driven as moshi-server's Rust side drives its
-Python worker: one `Text` per word, then `Eos`. moshi's `TTSModel.generate` (temperature 0, fp32) is the oracle of
-the frames: fed one word per step, the worker gives generate's frames with its voices built `[file, file]`, and
-times each word from its consumption step (`kyutai_dsm` notes in docs/ARCHITECTURE.md). The expected messages are
-built from those: `Text{word, (c_j + 1) / 12.5, (c_{j+1} + 1) / 12.5}`, the last one to the step count the worker
-ends at (generate's end plus `max_delay`), and the audio rows after the audio delay decoded by Mimi, clamped as the
-worker clamps them.
-"""
+"""`/api/tts_streaming` on a real server (`tts_server`), against moshi-server's behaviour and Unmute's client."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
-import json
-import re
-import shutil
+import struct
+from typing import Annotated, Literal
 
+import httpx2
 import msgpack
 import numpy as np
 import pytest
-import torch
-from moshi.models.tts import Entry
-from safetensors.torch import save_file
+import sphn
+from pydantic import BaseModel, Field, TypeAdapter
+from safetensors.torch import load_file
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK, InvalidStatus
 
-from duplexd.engine.models.config import DEMO_MIMI_32
-from duplexd.engine.models.mimi import MimiModel, MimiStreams
-from duplexd.engine.models.tokenizer import TextTokenizer
-from duplexd.engine.tts.config import tts_config_from_dict
-from duplexd.engine.tts.demo import tts_keys
-from duplexd.engine.tts.model import load_tts
-from duplexd.engine.tts.service import PCM_LIMIT
-from duplexd.engine.tts.words import StreamWords, Word
-from duplexd.engine.weights.checkpoint import save_mimi_weights
-from duplexd.engine.weights.demo import ensure_demo
-
-from .live_server import running_server
-from .ref_models import reference_tts, tuned_tts_lm
-from .test_asr_e2e import HEADERS, KEY, words_model
+from .test_asr_e2e import FRAME, HEADERS, UNMUTE_TYPES, audio_message, speech
+from .tts_server import (
+    STREAMS,
+    TEXT,
+    VOICES,
+    assert_same,
+    expected,
+    mimi,
+    model_folder,
+    run,
+    say,
+    server,
+    url,
+    voice_path,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-SPEAKER_DIM, DELAY_STEPS, MAX_DELAY, FINAL_PADDING = 8, 5, 2, 4
-RAW = {
-    "dim": 64,
-    "n_q": 32,  # Mimi's 32 codebooks, all said
-    "dep_q": 32,
-    "card": 2048,  # the demo Mimi's codebooks
-    "num_heads": 4,
-    "num_layers": 3,
-    "hidden_scale": 4.125,
-    "context": 16,  # the window slides within a sentence
-    "max_period": 10000,
-    "delays": [0, 0] + [2] * 31,
-    "depformer_dim": 32,
-    "depformer_dim_feedforward": 96,
-    "depformer_num_heads": 2,
-    "depformer_num_layers": 2,
-    "depformer_weights_per_step": True,
-    "depformer_weights_per_step_schedule": [0, 1, 1, 1] + [2] * 28,
-    "depformer_low_rank_embeddings": 8,
-    "demux_second_stream": True,
-    "cross_attention": True,
-    **tts_keys(SPEAKER_DIM, 64, audio_delay=0.4),  # 5 steps
-}
-VOICES = ("expresso/ex01_happy.wav", "unmute-prod-website/default_voice.wav")
-TEXT = 'Hello there, this is a (short) test: of the speech model’s <break time="0.3s"/> words.'
-STREAMS = 2
-IDLE = 2.0
+__all__ = ["mimi", "model_folder", "server"]  # the shared fixtures
 
 
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tts-model")
-    tokenizer_path = ensure_demo(root / "cache").tokenizer
-    tokenizer = TextTokenizer(tokenizer_path)
-    raw = {**RAW, "text_card": tokenizer.vocab_size, "moshi_name": "lm.safetensors", "mimi_name": "mimi.safetensors"}
-    raw["tokenizer_name"] = "tokenizer.model"
-    tts = tts_config_from_dict(raw)
-    assert tts is not None and tts.delay_steps == DELAY_STEPS
-    folder = root / "tts"
-    for k, name in enumerate(VOICES):
-        path = folder / "voices" / (name + tts.voice_suffix)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        emb = torch.randn(1, SPEAKER_DIM, tts.speaker_frames, generator=torch.Generator().manual_seed(20 + k))
-        save_file({"speaker_wavs": emb}, str(path))
-    words = StreamWords(tokenizer.encode).split(TEXT)
-    lm = tuned_tts_lm(raw, lambda lm: moshi_generate(lm, words, [voice_path(folder, 0)]))
-    save_file({k: v.contiguous() for k, v in lm.state_dict().items()}, str(folder / raw["moshi_name"]))
-    save_mimi_weights(MimiModel(DEMO_MIMI_32).init_weights_(5), folder / raw["mimi_name"], naming="fused")
-    shutil.copy(tokenizer_path, folder / raw["tokenizer_name"])
-    (folder / "config.json").write_text(json.dumps(raw))
-    return folder, lm
+@pytest.fixture(scope="session")
+def default_voice_messages(model_folder, mimi) -> list[dict]:
+    return expected(model_folder, TEXT, 1, mimi)
 
 
-def voice_path(folder, k: int):
-    tts = tts_config_from_dict(RAW)
-    assert tts is not None
-    return folder / "voices" / (VOICES[k] + tts.voice_suffix)
-
-
-def moshi_generate(lm, words: list[Word], voices: list):
-    """generate, run to the worker's end (its final padding `max_delay` steps longer)."""
-    tts = reference_tts(copy.deepcopy(lm), DELAY_STEPS, max_gen_length=600, final_padding=FINAL_PADDING + MAX_DELAY)
-    entries = [[Entry(list(w.tokens), w.text, w.padding) for w in words]]
-    return tts.generate(entries, [tts.make_condition_attributes(voices, cfg_coef=2.0)])
-
-
-@pytest.fixture(scope="module")
-def server(model_folder, tmp_path_factory):
-    folder, _ = model_folder
-    stt = words_model(tmp_path_factory.mktemp("tts-stt"))
-    log = tmp_path_factory.mktemp("tts-server") / "serve.log"
-    args = [
-        "--hf-repo", str(stt.root), "--max-sessions", "2", "--api-key", KEY, "--tts", str(folder),
-        "--tts-temperature", "0", "--tts-streams", str(STREAMS), "--tts-idle-timeout", str(IDLE),
-    ]  # fmt: skip
-    with running_server(log, *args) as live:
-        yield live
-    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
-
-
-def url(live, query: str = "format=PcmMessagePack") -> str:
-    return f"ws://127.0.0.1:{live.port}/api/tts_streaming?{query}"
-
-
-def run(coro, timeout: float = 120):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def expected(model_folder, text: str, voice: int, mimi: MimiStreams, twice: bool = True) -> list[dict]:
-    """The messages moshi-server sends for `text` (greedy), from moshi's generate."""
-    folder, lm = model_folder
-    splitter = StreamWords(TextTokenizer(folder / "tokenizer.model").encode)
-    words = [word for message in messages_of(text) for word in splitter.split(message)]
-    path = voice_path(folder, voice)
-    result = moshi_generate(lm, words, [path, path] if twice else [path])
-    end = result.end_steps[0]
-    assert end is not None
-    steps = end + DELAY_STEPS + FINAL_PADDING + MAX_DELAY
-    consumed = result.all_consumption_times[0]
-    assert len(consumed) == len(words)
-    out: list[dict] = [{"type": "Ready"}]
-    stops = [c + 1 for c in consumed[1:]] + [steps]
-    texts = [
-        {"type": "Text", "text": w.text, "start_s": (c + 1) / 12.5, "stop_s": stop / 12.5}
-        for w, c, stop in zip(words, consumed, stops, strict=True)
-    ]
-    rows = [f[0, 1:, 0] for f in result.frames[DELAY_STEPS : steps - MAX_DELAY]]
-    assert len(rows) == steps - MAX_DELAY - DELAY_STEPS
-    mimi.reset(0)
-    with torch.no_grad():
-        pcm = mimi.decode([0], torch.stack(rows, dim=1)[None]).clamp(-PCM_LIMIT, PCM_LIMIT)[0].numpy()
-    # in time order: word j's Text goes out at the step word j + 1 is taken (the last at the end)
-    events = [(stop - 1, 0, t) for stop, t in zip(stops[:-1], texts[:-1], strict=True)]
-    events += [
-        (DELAY_STEPS + MAX_DELAY + i, 1, {"type": "Audio", "pcm": pcm[i * 1920 : (i + 1) * 1920]})
-        for i in range(len(rows))
-    ]
-    events.append((steps, 2, texts[-1]))
-    out += [message for *_, message in sorted(events, key=lambda e: (e[0], e[1]))]
-    return out
-
-
-@pytest.fixture(scope="module")
-def mimi(model_folder):
-    folder, _ = model_folder
-    return MimiStreams(load_tts(folder).mimi, 1)
-
-
-async def say(address: str, text: str, voice_message: bytes | None = None) -> tuple[list[dict], int | None, str]:
-    """DSM's `tts_rust_server.py`: one `Text` per word (`messages_of`), `Eos`, then every message until the
-    close."""
-    messages = []
-    async with connect(address, additional_headers=HEADERS, max_size=None) as ws:
-        if voice_message is not None:
-            await ws.send(voice_message)
-        for message in messages_of(text):
-            await ws.send(msgpack.packb({"type": "Text", "text": message}))
-        await ws.send(msgpack.packb({"type": "Eos"}))
-        with contextlib.suppress(ConnectionClosed):
-            async for raw in ws:
-                messages.append(msgpack.unpackb(raw))
-        return messages, ws.close_code, ws.close_reason
-
-
-def messages_of(text: str) -> list[str]:
-    """The text as DSM's script sends it, a word a message (a break tag kept whole)."""
-    return re.findall(r"<break[^>]*/>|\S+", text)
-
-
-def assert_same(got: list[dict], want: list[dict]) -> None:
-    assert [m["type"] for m in got] == [m["type"] for m in want]
-    for g, w in zip(got, want, strict=True):
-        if w["type"] == "Audio":
-            assert len(g["pcm"]) == 1920
-            assert np.allclose(np.asarray(g["pcm"], dtype=np.float32), w["pcm"], atol=1e-5)
-        else:
-            assert g == w
-
-
-def test_messages_are_moshi_servers(server, model_folder, mimi):
-    want = expected(model_folder, TEXT, 1, mimi)
+def test_messages_are_moshi_servers(server, default_voice_messages):
     got, code, reason = run(say(url(server, f"format=PcmMessagePack&voice={VOICES[1]}&cfg_alpha=1.5"), TEXT))
     assert (code, reason) == (1000, "all the text was said")
-    assert_same(got, want)
+    assert_same(got, default_voice_messages)
     words = [m["text"] for m in got if m["type"] == "Text"]
     assert words == ["Hello", "there,", "this", "is", "a", "short", "test", "of", "the", "speech", "model's",
                      '<break time="0.30s">', "words."]  # fmt: skip
@@ -216,25 +53,270 @@ def test_messages_are_moshi_servers(server, model_folder, mimi):
     assert (gaps < 9).sum() >= len(gaps) // 2, gaps  # the model's own NEW_WORD starts most words, not the limit
 
 
-def test_an_unknown_voice_is_the_default_one_and_the_output_follows_the_input(server, model_folder, mimi):
-    """No voice or an unknown one: the default voice (here Unmute's); another voice or one word changed: other
-    messages."""
-    default = run(say(url(server, "format=PcmMessagePack&voice=expresso/nobody.wav"), TEXT))[0]
-    assert_same(default, expected(model_folder, TEXT, 1, mimi))
-    other_voice = run(say(url(server, f"format=PcmMessagePack&voice={VOICES[0]}"), TEXT))[0]
-    assert_same(other_voice, expected(model_folder, TEXT, 0, mimi))
-    audio = [np.concatenate([m["pcm"] for m in ms if m["type"] == "Audio"]) for ms in (default, other_voice)]
-    assert audio[0].shape != audio[1].shape or not np.allclose(audio[0], audio[1], atol=1e-3)
-    changed = TEXT.replace("speech", "spoken")
-    assert_same(run(say(url(server), changed))[0], expected(model_folder, changed, 1, mimi))
+def test_an_unknown_voice_is_the_default_one_and_the_output_follows_the_input(server, default_voice_messages):
+    """An unknown voice: the default voice (here Unmute's); another voice or one word changed: other messages.
+    The three streams run at once."""
+
+    async def three() -> list[list[dict]]:
+        queries = ["format=PcmMessagePack&voice=expresso/nobody.wav", f"format=PcmMessagePack&voice={VOICES[0]}"]
+        texts = [TEXT, TEXT, TEXT.replace("speech", "spoken")]
+        said = [say(url(server, q), t) for q, t in zip([*queries, "format=PcmMessagePack"], texts, strict=True)]
+        return [messages for messages, *_ in await asyncio.gather(*said)]
+
+    unknown, other_voice, changed = run(three())
+    assert_same(unknown, default_voice_messages)
+
+    def audio(messages: list[dict]) -> np.ndarray:
+        return np.concatenate([m["pcm"] for m in messages if m["type"] == "Audio"])
+
+    for other in (other_voice, changed):
+        a, b = audio(other), audio(unknown)
+        assert a.shape != b.shape or not np.allclose(a, b, atol=1e-3)
+    assert [m["text"] for m in changed if m["type"] == "Text"][9] == "spoken"
 
 
 def test_a_voice_message_is_one_embedding(server, model_folder, mimi):
+    """A `Voice` before the first text replaces the query's voice: one embedding, as moshi-server's worker takes
+    it (not the `[file, file]` of a named voice)."""
     folder, _ = model_folder
-    from safetensors.torch import load_file
-
     emb = load_file(str(voice_path(folder, 0)))["speaker_wavs"]
     message = msgpack.packb({"type": "Voice", "embeddings": emb.flatten().tolist(), "shape": list(emb.shape)})
-    got = run(say(url(server, f"format=PcmMessagePack&voice={VOICES[1]}"), TEXT, message))[0]
-    assert_same(got, expected(model_folder, TEXT, 0, mimi, twice=False))
+    text = "Hello there, a short one."
+    got = run(say(url(server, f"format=PcmMessagePack&voice={VOICES[1]}"), text, message))[0]
+    assert_same(got, expected(model_folder, text, 0, mimi, twice=False))
 
+
+# ------------------------------------------------------------------------------------------- Unmute's client
+
+
+class UnmuteText(BaseModel):  # Unmute's `TTSTextMessage` and the others its `TTSMessage` union takes
+    type: Literal["Text"]
+    text: str
+    start_s: float
+    stop_s: float
+
+
+class UnmuteAudio(BaseModel):
+    type: Literal["Audio"]
+    pcm: list[float]
+
+
+class UnmuteError(BaseModel):
+    type: Literal["Error"]
+    message: str
+
+
+class UnmuteReady(BaseModel):
+    type: Literal["Ready"]
+
+
+UNMUTE_TTS = TypeAdapter(Annotated[UnmuteText | UnmuteAudio | UnmuteError | UnmuteReady, Field(discriminator="type")])
+
+
+class AtCapacity(Exception):  # Unmute's MissingServiceAtCapacity
+    pass
+
+
+async def unmute_tts(live, voice: str, words: list[str], pace: float = 0.03) -> tuple[list[str], int]:
+    """Unmute's `TextToSpeech`: its query (format, voice, cfg_alpha), at most 10 messages for `Ready` (`Error` is
+    the server at capacity), words sent as the LLM streams them, every message validated by its pydantic union,
+    until the close (a 1000/1001 close ends it, any other raises). (The words told back, the samples.)"""
+    async with connect(
+        url(live, f"format=PcmMessagePack&voice={voice}&cfg_alpha=1.5"), additional_headers=HEADERS
+    ) as ws:
+        for _ in range(10):
+            message = UNMUTE_TTS.validate_python(msgpack.unpackb(await ws.recv(decode=False)))
+            if isinstance(message, UnmuteReady):
+                break
+            if isinstance(message, UnmuteError):
+                raise AtCapacity(message.message)
+        else:
+            raise AssertionError("no Ready in 10 messages")
+
+        async def send() -> None:
+            for word in words:
+                await ws.send(msgpack.packb({"type": "Text", "text": word}))
+                await asyncio.sleep(pace)
+            await ws.send(msgpack.packb({"type": "Eos"}))
+
+        sender = asyncio.create_task(send())
+        told, samples = [], 0
+        with contextlib.suppress(ConnectionClosedOK):
+            async for raw in ws:
+                message = UNMUTE_TTS.validate_python(msgpack.unpackb(raw))
+                if isinstance(message, UnmuteText):
+                    told.append(message.text)
+                elif isinstance(message, UnmuteAudio):
+                    samples += len(message.pcm)
+                else:
+                    raise AssertionError(f"unexpected {message}")
+        await sender
+        return told, samples
+
+
+async def unmute_stt(live, seconds: float) -> list[str]:
+    """Unmute's `SpeechToText` beside it on the same server: audio at real time, its message loop; the types."""
+    address = f"ws://127.0.0.1:{live.port}/api/asr-streaming"
+    types = []
+    async with connect(address, additional_headers=HEADERS) as ws:
+        audio = speech(seconds, seed=4)
+
+        async def talk() -> None:
+            for i in range(0, len(audio), FRAME):
+                await ws.send(audio_message(audio[i : i + FRAME]))
+                await asyncio.sleep(0.08)
+            await ws.close()
+
+        sender = asyncio.create_task(talk())
+        with contextlib.suppress(ConnectionClosed):
+            async for raw in ws:
+                message = msgpack.unpackb(raw)
+                assert message["type"] in UNMUTE_TYPES, message
+                types.append(message["type"])
+        await sender
+    return types
+
+
+def test_unmutes_clients_speak_and_listen_on_one_server(server):
+    """Unmute's text-to-speech (words at an LLM's pace, every word back once and in order, all its audio) and its
+    speech-to-text (a `Step` a frame) on one duplexd at once."""
+    words = "Sure, I can help with that. Here is a short answer for you.".split()
+
+    async def both():
+        return await asyncio.gather(unmute_tts(server, VOICES[0], words), unmute_stt(server, 3.0))
+
+    (told, samples), stt_types = run(both())
+    assert told == words
+    assert samples > 0 and samples % 1920 == 0
+    assert stt_types[0] == "Ready" and stt_types.count("Step") >= 20
+
+
+def test_a_full_server_refuses_as_moshi_server_and_a_closed_stream_frees_its_slot(server):
+    async def go() -> None:
+        holders = [await connect(url(server), additional_headers=HEADERS) for _ in range(STREAMS)]
+        try:
+            for ws in holders:
+                assert msgpack.unpackb(await ws.recv()) == {"type": "Ready"}
+            with pytest.raises(AtCapacity, match="no free channels"):
+                await unmute_tts(server, VOICES[0], ["hi"])
+            async with connect(url(server), additional_headers=HEADERS) as ws:  # the refusal: Error, then the close
+                assert msgpack.unpackb(await ws.recv()) == {"type": "Error", "message": "no free channels"}
+                with pytest.raises(ConnectionClosed):
+                    await ws.recv()
+                assert ws.close_code == 1013
+            await holders.pop().close()
+            for _ in range(50):  # the slot is free at the service's next turn
+                with contextlib.suppress(AtCapacity):
+                    told, _ = await unmute_tts(server, VOICES[0], ["Hi", "again."])
+                    assert told == ["Hi", "again."]
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("the closed stream's slot was not freed")
+        finally:
+            for ws in holders:
+                await ws.close()
+
+    run(go())
+
+
+# ------------------------------------------------------------------------------------------- ends and bad input
+
+
+async def ready_then(live, *sends: bytes | str, query: str = "format=PcmMessagePack") -> tuple[list, int | None, str]:
+    """Open a stream, take `Ready`, send `sends`, read until the close: (messages after Ready, code, reason)."""
+    async with connect(url(live, query), additional_headers=HEADERS) as ws:
+        assert msgpack.unpackb(await ws.recv()) == {"type": "Ready"}
+        for data in sends:
+            await ws.send(data)
+        messages = []
+        with contextlib.suppress(ConnectionClosed):
+            async for raw in ws:
+                messages.append(msgpack.unpackb(raw))
+        return messages, ws.close_code, ws.close_reason
+
+
+@pytest.mark.parametrize(
+    ("sends", "code", "reason"),
+    [
+        ((), 1000, "idle timeout: no message for 2 s"),
+        ((msgpack.packb({"type": "Text", "text": "Waiting for the rest"}),), 1000, "idle timeout"),
+        ((b"\0",), 1000, "the text was empty"),
+        ((b"\xc1\x00",), 1007, "not a MessagePack message"),
+        ((msgpack.packb({"type": "Speak"}),), 1007, "unknown message type 'Speak'"),
+        ((msgpack.packb({"type": "Text", "text": 3}),), 1007, "`text` must be a string"),
+        ((msgpack.packb({"type": "Voice", "embeddings": [0.0] * 8, "shape": [1, 8]}),), 1007, "`shape` must be"),
+    ],
+    ids=["silent", "no end of text", "nothing to say", "not MessagePack", "unknown type", "bad field", "bad voice"],
+)
+def test_after_ready_every_end_is_the_close_frame_alone(server, sends, code, reason):
+    """Unmute's loop takes no `Error` after `Ready`: the close's code and reason say why, and nothing else comes."""
+    messages, got_code, got_reason = run(ready_then(server, *sends))
+    assert all(m["type"] in ("Audio", "Text") for m in messages), messages  # no Error
+    assert got_code == code and reason in got_reason, (got_code, got_reason)
+
+
+def test_the_raw_and_opus_formats(server):
+    """`Pcm`: raw f32 frames and nothing else; `OggOpus`: Ogg pages (the default); `OggOpusMessagePack`: `Ready`,
+    then `OggOpus` messages whose bytes are arrays, as rmp_serde writes a `Vec<u8>`. Each decodes to the frames
+    `PcmMessagePack` sends for the same words."""
+    text = "Hi there."
+
+    async def raw(query: str) -> tuple[list[bytes], int | None]:
+        async with connect(url(server, query), additional_headers=HEADERS) as ws:
+            await ws.send(text)  # a raw text frame is text too
+            await ws.send(b"\0")
+            out = []
+            with contextlib.suppress(ConnectionClosed):
+                async for data in ws:
+                    out.append(data)
+            return out, ws.close_code
+
+    async def all_formats():
+        return await asyncio.gather(
+            raw("format=Pcm"), raw(""), raw("format=OggOpusMessagePack"), say(url(server), text)
+        )
+
+    (pcm, c1), (ogg, c2), (packed, c3), (reference, *_) = run(all_formats())
+    assert c1 == c2 == c3 == 1000
+    frames = [np.asarray(m["pcm"], dtype=np.float32) for m in reference if m["type"] == "Audio"]
+    assert [len(f) for f in pcm] == [1920 * 4] * len(frames)
+    assert np.array_equal(np.frombuffer(b"".join(pcm), "<f4"), np.concatenate(frames))
+    assert msgpack.unpackb(packed[0]) == {"type": "Ready"}
+    messages = [msgpack.unpackb(m) for m in packed[1:]]
+    assert {m["type"] for m in messages} == {"OggOpus", "Text"}
+    pages = b"".join(bytes(m["data"]) for m in messages if m["type"] == "OggOpus")
+    for stream in (b"".join(ogg), pages):
+        assert stream.startswith(b"OggS")
+        decoded, rate = sphn.read_opus_bytes(stream)
+        assert abs(decoded.shape[-1] * 24000 / rate - 1920 * len(frames)) <= 1920  # sphn decodes at 48 kHz
+
+
+def test_refused_upgrades_and_the_post_endpoint(server, default_voice_messages):
+    async def refused(query: str, headers: dict) -> int:
+        with pytest.raises(InvalidStatus) as e:
+            async with connect(url(server, query), additional_headers=headers):
+                pass
+        return e.value.response.status_code
+
+    assert run(refused("format=Pcm", {})) == 401
+    assert run(refused("format=Wav", HEADERS)) == 400
+    post = f"{server.url}/api/tts_streaming"
+    assert httpx2.post(post, json={"text": "hi"}).status_code == 401
+    assert httpx2.post(post, json={"text": "  "}, headers=HEADERS).status_code == 422
+    answer = httpx2.post(post, json={"text": TEXT, "voice": "nobody"}, headers=HEADERS, timeout=120)
+    assert answer.status_code == 200 and answer.headers["content-type"] == "audio/wav"
+    body = answer.content
+    assert body[:4] == b"RIFF" and struct.unpack("<I", body[4:8])[0] == 0xFFFFFFFF and body[36:40] == b"data"
+    samples = np.frombuffer(body[44:], "<i2")
+    frames = np.concatenate([m["pcm"] for m in default_voice_messages if m["type"] == "Audio"])
+    assert np.array_equal(samples, (np.clip(frames, -1, 1) * 32767).astype("<i2"))  # POST words: one message
+
+
+def test_the_module_lists(server):
+    modules = httpx2.get(f"{server.url}/api/modules_info").json()
+    assert [m["type"] for m in modules] == ["batched_asr", "py"]
+    assert modules[1] == {"type": "py", "path": "/api/tts_streaming", "used_slots": "0", "total_slots": str(STREAMS)}
+    models = httpx2.get(f"{server.url}/v1/models", headers=HEADERS).json()["data"]
+    tts = next(m for m in models if m.get("task") == "text-to-speech")
+    assert tts["voices"] == sorted(VOICES) and tts["default_voice"] == VOICES[1]
+    assert "duplexd_tts_streams_capacity 4.0" in httpx2.get(f"{server.url}/metrics").text
