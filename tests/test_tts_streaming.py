@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK, InvalidStatus
 
+from duplexd.engine.tts.words import MAIN, StreamWords
+
 from .test_asr_e2e import FRAME, HEADERS, UNMUTE_TYPES, audio_message, speech
 from .tts_server import (
     STREAMS,
@@ -280,7 +282,7 @@ def test_the_raw_and_opus_formats(server):
     assert c1 == c2 == c3 == 1000
     frames = [np.asarray(m["pcm"], dtype=np.float32) for m in reference if m["type"] == "Audio"]
     assert [len(f) for f in pcm] == [1920 * 4] * len(frames)
-    assert np.array_equal(np.frombuffer(b"".join(pcm), "<f4"), np.concatenate(frames))
+    assert np.allclose(np.frombuffer(b"".join(pcm), "<f4"), np.concatenate(frames), atol=1e-5)  # other batches
     assert msgpack.unpackb(packed[0]) == {"type": "Ready"}
     messages = [msgpack.unpackb(m) for m in packed[1:]]
     assert {m["type"] for m in messages} == {"OggOpus", "Text"}
@@ -309,7 +311,8 @@ def test_refused_upgrades_and_the_post_endpoint(server, default_voice_messages):
     assert body[:4] == b"RIFF" and struct.unpack("<I", body[4:8])[0] == 0xFFFFFFFF and body[36:40] == b"data"
     samples = np.frombuffer(body[44:], "<i2")
     frames = np.concatenate([m["pcm"] for m in default_voice_messages if m["type"] == "Audio"])
-    assert np.array_equal(samples, (np.clip(frames, -1, 1) * 32767).astype("<i2"))  # POST words: one message
+    want = (np.clip(frames, -1, 1) * 32767).astype(np.int32)  # POST words: one message
+    assert samples.shape == want.shape and np.abs(samples.astype(np.int32) - want).max() <= 1
 
 
 def test_the_module_lists(server):
@@ -320,3 +323,29 @@ def test_the_module_lists(server):
     tts = next(m for m in models if m.get("task") == "text-to-speech")
     assert tts["voices"] == sorted(VOICES) and tts["default_voice"] == VOICES[1]
     assert "duplexd_tts_streams_capacity 4.0" in httpx2.get(f"{server.url}/metrics").text
+
+
+def test_stream_words_are_split_as_moshi_server_splits_them():
+    """moshi-server's rules (its `tts_preprocess` and worker): breaks at most 10 s and at least a step, named by a
+    tag; the `/` of the tag required; normalisation; the main speaker's token before the stream's first word only;
+    a word's padding one step per token (`padding_between` 1, plus its tokens beyond the first)."""
+
+    def encode(word: str) -> list[int]:
+        return [10 + len(word)] * (1 + len(word) // 4)
+
+    words = StreamWords(encode)
+    first = words.split('Hello <break time="0.5s"/> world <break time="1.0s"/>!')
+    assert [(w.text, w.padding) for w in first] == [
+        ("Hello", 3), ('<break time="0.50s">', 6), ("world", 2), ('<break time="1.00s">', 12), ("!", 1)
+    ]  # fmt: skip
+    assert first[0].tokens == (MAIN, 15, 15) and first[1].tokens == () and first[2].tokens == (15, 15)
+    later = words.split('<break time="20s"/><break time="0.01s"/><break time="0s"/><break time="1.2.3s"/>x')
+    assert [(w.text, w.padding) for w in later] == [
+        ('<break time="20.00s">', 125),
+        ('<break time="0.01s">', 1),
+        ("x", 1),
+    ]
+    assert later[-1].tokens == (11,)  # no second BOS
+    assert [w.text for w in words.split('l’été: (oui) – non <break time="1s">')] == [
+        "l'été", "oui", "non", "<break", 'time="1s">'
+    ]  # fmt: skip

@@ -1,15 +1,17 @@
 """The audio formats `/v1/audio/speech` answers in, each written as the speech is made, frame by frame.
 
 `pcm` is raw 16-bit little-endian samples at 24 kHz (OpenAI's); `wav` the same behind a header of unknown sizes;
-`opus` Ogg Opus pages from the server's Opus encoder; `mp3` and `flac` come from libsndfile (through soundfile),
-whose bytes go out as it writes them: what it rewrites at the end (an MP3's Xing frame, FLAC's sample count) is
-already sent, and players read such streams as live ones. `aac` has no encoder here and is refused.
+`opus` Ogg Opus pages from the server's Opus encoder; `mp3` comes from libsndfile (through soundfile) at a constant
+bit rate, its bytes sent as it writes them (the Info frame it rewrites at the end is already sent; at a constant
+rate a reader that sizes the stream from its first frame, as libsndfile does, still finds its length). `flac` is libsndfile's too, but sent whole once the speech is said: a streamed FLAC's header cannot hold its
+length, and readers such as libsndfile then take it for endless. `aac` has no encoder here and is refused.
 """
 
 from __future__ import annotations
 
 import io
 from abc import ABC, abstractmethod
+from typing import Any
 
 import numpy as np
 import soundfile as sf
@@ -25,6 +27,7 @@ MEDIA_TYPES = {
     "pcm": "audio/pcm",
 }
 REFUSED = {"aac": "no AAC encoder in this server"}
+MP3_COMPRESSION = 0.5  # libsndfile's 0 (best) to 1: about 80 kb/s for 24 kHz mono
 
 
 class AudioWriter(ABC):
@@ -102,13 +105,15 @@ class _Tail(io.RawIOBase):
 
 
 class SoundFileWriter(AudioWriter):
-    def __init__(self, sample_rate: int, fmt: str, subtype: str) -> None:
-        self._tail = _Tail()
-        self._file = sf.SoundFile(self._tail, mode="w", samplerate=sample_rate, channels=1, format=fmt, subtype=subtype)
+    def __init__(self, sample_rate: int, fmt: str, subtype: str, stream: bool = True, **options: Any) -> None:
+        self._tail, self._stream = _Tail(), stream
+        self._file = sf.SoundFile(
+            self._tail, mode="w", samplerate=sample_rate, channels=1, format=fmt, subtype=subtype, **options
+        )
 
     def write(self, pcm: np.ndarray) -> bytes:
         self._file.write(np.asarray(pcm, dtype=np.float32))
-        return self._tail.take()
+        return self._tail.take() if self._stream else b""
 
     def finish(self) -> bytes:
         self._file.close()
@@ -122,7 +127,9 @@ def audio_writer(fmt: str, sample_rate: int) -> AudioWriter:
     if fmt == "opus":
         return OpusWriter(sample_rate)
     if fmt == "mp3":
-        return SoundFileWriter(sample_rate, "MP3", "MPEG_LAYER_III")
+        return SoundFileWriter(
+            sample_rate, "MP3", "MPEG_LAYER_III", bitrate_mode="CONSTANT", compression_level=MP3_COMPRESSION
+        )
     if fmt == "flac":
-        return SoundFileWriter(sample_rate, "FLAC", "PCM_16")
+        return SoundFileWriter(sample_rate, "FLAC", "PCM_16", stream=False)
     raise ValueError(f"unknown response format {fmt!r}")
