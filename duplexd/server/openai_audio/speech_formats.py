@@ -3,8 +3,9 @@
 `pcm` is raw 16-bit little-endian samples at 24 kHz (OpenAI's); `wav` the same behind a header of unknown sizes;
 `opus` Ogg Opus pages from the server's Opus encoder; `mp3` comes from libsndfile (through soundfile) at a constant
 bit rate, its bytes sent as it writes them (the Info frame it rewrites at the end is already sent; at a constant
-rate a reader that sizes the stream from its first frame, as libsndfile does, still finds its length). `flac` is libsndfile's too, but sent whole once the speech is said: a streamed FLAC's header cannot hold its
-length, and readers such as libsndfile then take it for endless. `aac` has no encoder here and is refused.
+rate a reader that sizes the stream from its first frame, as libsndfile does, still finds its length). `flac` is
+libsndfile's too, but sent whole once the speech is said: a streamed FLAC's header cannot hold its length, and
+readers such as libsndfile then take it for endless. `aac` has no encoder here and is refused.
 """
 
 from __future__ import annotations
