@@ -291,6 +291,7 @@ def test_ready_only_once_warm():
             "capacity": 2,
             "draining": False,
             "open_sessions": 0,
+            "models": [{"id": "m", "task": "dialogue", "admissible": 2, "capacity": 2}],
         }
         assert client.get("/v1/models").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "m"

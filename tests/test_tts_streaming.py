@@ -349,3 +349,9 @@ def test_stream_words_are_split_as_moshi_server_splits_them():
     assert [w.text for w in words.split('l’été: (oui) – non <break time="1s">')] == [
         "l'été", "oui", "non", "<break", 'time="1s">'
     ]  # fmt: skip
+
+
+def test_ready_reports_each_model(server):
+    body = httpx2.get(f"{server.url}/ready").json()
+    assert body["ready"] and [m["task"] for m in body["models"]] == ["speech-to-text", "text-to-speech"]
+    assert body["models"][1]["capacity"] == STREAMS

@@ -32,11 +32,21 @@ def health(ctx: Context) -> JSONResponse:
 
 @router.get("/ready")
 def ready(ctx: Context) -> JSONResponse:
-    """Ready: warm, not draining, and at least one more session can be admitted now (else 503, so balancers look
-    elsewhere)."""
+    """Ready: warm, not draining, and at least one more session (of any model served) can be admitted now (else
+    503, so balancers look elsewhere). `models` says what each model can take."""
     runtime, draining = ctx.runtime, ctx.drain.draining
     admissible = runtime.admissible()
-    ready = runtime.ready and admissible > 0 and not draining
+    models = [
+        {"id": runtime.info.id, "task": "speech-to-text" if runtime.info.speech_to_text else "dialogue",
+         "admissible": admissible, "capacity": runtime.capacity()},
+    ]  # fmt: skip
+    if runtime.speech is not None:
+        service = runtime.speech.service
+        free = service.max_streams - service.used_streams if runtime.ready else 0
+        models.append(
+            {"id": runtime.speech.id, "task": "text-to-speech", "admissible": free, "capacity": service.max_streams}
+        )
+    ready = runtime.ready and any(m["admissible"] for m in models) and not draining
     body: dict[str, object] = {
         "ready": ready,
         "warm": runtime.ready,
@@ -44,12 +54,13 @@ def ready(ctx: Context) -> JSONResponse:
         "capacity": runtime.capacity(),
         "draining": draining,
         "open_sessions": ctx.drain.open_sessions,
+        "models": models,
     }
     if draining:
         body["reason"] = "draining"
     elif not runtime.ready:
         body["reason"] = runtime.failed or "warming up"
-    elif admissible == 0:
+    elif not ready:
         body["reason"] = "at capacity"
     return JSONResponse(body, status_code=200 if ready else 503)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError, SessionClosed
+from ..listeners import Listeners
 from ..mailbox import Mailbox
 from ..models.mimi import MimiStreams
 from .generate import TTSGen, Voice
@@ -101,6 +103,7 @@ class SpeechService:
         self._free = list(range(max_streams))
         self._running = False
         self._thread: threading.Thread | None = None
+        self.on_step: Listeners[[float, int]] = Listeners("speech step")  # (seconds, streams stepped)
 
     def start(self) -> None:
         self._running = True
@@ -191,7 +194,9 @@ class SpeechService:
                 live = self._ready_slots()
             if live:
                 try:
+                    started = time.perf_counter()
                     self._step(live)
+                    self.on_step(time.perf_counter() - started, len(live))
                 except Exception:  # noqa: BLE001 - every stream ends rather than hangs
                     logger.exception("text-to-speech step failed; ending its streams")
                     with self.lock:

@@ -96,6 +96,9 @@ class Metrics:
         self.step_seconds = Histogram(
             "duplexd_step_duration_seconds", "engine step duration", buckets=STEP_BUCKETS, registry=registry
         )
+        self.speech_step_seconds = Histogram(
+            "duplexd_tts_step_duration_seconds", "text-to-speech step duration", buckets=STEP_BUCKETS, registry=registry
+        )
         self.batch_size = Histogram(
             "duplexd_step_batch_size", "sessions per engine step", buckets=BATCH_BUCKETS, registry=registry
         )
@@ -148,6 +151,10 @@ class Metrics:
         self.step_seconds.observe(record.seconds)
         self.batch_size.observe(record.batch_size)
 
+    def on_speech_step(self, seconds: float, streams: int) -> None:
+        """Speech-service callback after every text-to-speech step."""
+        self.speech_step_seconds.observe(seconds)
+
     def on_dropped(self, direction: str, count: int) -> None:
         """Engine callback when frames are dropped at a session's inbox ("in") or outbox ("out") bound."""
         self.dropped.labels(direction).inc(count)
@@ -163,6 +170,8 @@ class Metrics:
         stops += [engine.on_prompted(self.prompt_seconds.observe) for engine in runtime.engines]
         if runtime.transcription is not None:
             stops.append(runtime.transcription.on_transcript(self.on_transcript))
+        if runtime.speech is not None:
+            stops.append(runtime.speech.service.on_step.add(self.on_speech_step))
 
         def unsubscribe() -> None:
             for stop in stops:
