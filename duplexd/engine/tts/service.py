@@ -92,8 +92,8 @@ class _Slot:
 
 
 class SpeechService:
-    def __init__(self, model: TTSModel, max_streams: int, final_padding: int = 4) -> None:
-        self.model, self.max_streams = model, max_streams
+    def __init__(self, model: TTSModel, max_streams: int, final_padding: int = 4, threads: int = 1) -> None:
+        self.model, self.max_streams, self.threads = model, max_streams, threads
         self.gen = TTSGen(model.lm, model.conditioner, model.tts, num_slots=max_streams, final_padding=final_padding)
         self.mimi = MimiStreams(model.mimi, max_streams)
         self.lock = threading.Lock()
@@ -173,6 +173,8 @@ class SpeechService:
         self._free.append(slot.stream.slot)
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.threads)  # its own OpenMP pool (per thread): see engine.dialogue.engine
+        torch.set_grad_enabled(False)
         while True:
             with self.lock:
                 self._wake.wait_for(lambda: not self._running or self._commands or self._runnable(), timeout=0.5)
