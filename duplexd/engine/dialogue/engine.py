@@ -35,6 +35,7 @@ from ..models.lm import LMModel
 from ..models.mimi import MimiModel, MimiStreams
 from ..models.tokenizer import TextTokenizer
 from ..persona.prompt import PersonaPrompt
+from ..turns import DeviceTurns, maybe_turn
 from .graphs import default_buckets
 from .pipeline import Pipeline
 from .runner import Runner
@@ -234,6 +235,7 @@ class Engine:
                 "torch.set_num_threads(1) before loading models, or the engine's steps slow down (module docs)",
                 torch.get_num_threads(),
             )
+        self.turns: DeviceTurns | None = None  # set when another model's loop steps on this device (`turns`)
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self.ready = False
@@ -271,7 +273,8 @@ class Engine:
         finally:
             self._started.set()
         while (plan := self.scheduler.plan()) is not None:
-            result = self.runner.execute(plan)
+            with maybe_turn(self.turns, urgent=True):
+                result = self.runner.execute(plan)
             self.scheduler.finish(plan, result)
             if plan.prefill:
                 self.scheduler.prefilled(plan, self.runner.prefill(plan.prefill))

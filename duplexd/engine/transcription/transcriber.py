@@ -29,7 +29,7 @@ import torch
 from ..errors import CheckpointError
 from ..models.gemma4_audio import Gemma4AudioEncoder, Gemma4AudioStreamState
 from ..weights.gemma4_checkpoint import load_gemma4_audio
-from ..weights.hub import hub_repo
+from ..weights.hub import hub_folder
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +85,7 @@ def model_folder(ref: str) -> Path:
 
         logger.warning("using the Gemma 4 demo model: random weights, its transcripts are a jumble of word pieces")
         return ensure_gemma4_demo()
-    path = Path(ref).expanduser()
-    if path.is_dir():
-        return path
-    if hub_repo(ref) is None:
-        raise CheckpointError(f"{ref}: not a folder or a Hugging Face repo id (a Gemma 4 checkpoint)", "model")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(ref, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
-    except Exception as e:  # noqa: BLE001 - offline, unknown repo, no access: all end the same way
-        why = f"{type(e).__name__}: {e}"
-        raise CheckpointError(f"{ref}: cannot fetch it from the Hugging Face hub ({why})", "model") from None
+    return hub_folder(ref, ["*.json", "*.safetensors", "*.jinja", "tokenizer*"], "a Gemma 4 checkpoint")
 
 
 def valid_frames(num_samples: int) -> int:

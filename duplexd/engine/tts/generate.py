@@ -10,7 +10,8 @@ the text read at step n and the audio of the same frame (`TTSResult.frames`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -129,25 +130,30 @@ class TTSGen:
         return state
 
     @torch.no_grad()
-    def step(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, slots: Sequence[int], turn: Callable[[], AbstractContextManager[object]] = nullcontext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance `slots` one frame: rows [B, 1 + dep_q] (UNGENERATED until a slot's delays have passed), valid [B].
 
-        `listen` and `speak` are device work only (`tests/test_tts_host_sync.py`); between them the host reads the
-        samples and the slots' offsets (one copy back) and sends up the text the words decide (one copy)."""
+        `listen` and `speak` are device work only (`tests/test_tts_host_sync.py`), each run in a `turn` of the
+        device (`engine.turns`); between them the host reads the samples and the slots' offsets (one copy back) and
+        sends up the text the words decide (one copy)."""
         device = self.offsets.device
         index = torch.tensor(list(slots), dtype=torch.long, device=device)
         greedy = all(self.greedy[slot] for slot in slots)  # sampling's noise and top-k are a quarter of a CPU step
-        hidden, sampled, offsets = self.listen(index, greedy)
+        with turn():
+            hidden, sampled, offsets = self.listen(index, greedy)
+            sampled_list, positions = sampled.tolist(), offsets.tolist()
         read = []  # the host's part of the step: each slot's words decide the text the model reads
-        positions = offsets.tolist()
-        for slot, offset, token in zip(slots, positions, sampled.tolist(), strict=True):
+        for slot, offset, token in zip(slots, positions, sampled_list, strict=True):
             read.append(self.feeder.next_token(offset, self._state(slot), token)[0])
             self.steps[slot] = offset + 1
         # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
         # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.
         speaking = [row for row, offset in enumerate(positions) if offset >= self.tts.delay_steps]
         rows = None if len(speaking) == len(slots) else torch.tensor(speaking, dtype=torch.long, device=device)
-        return self.speak(index, torch.tensor(read, device=device), hidden, greedy, rows)
+        with turn():
+            return self.speak(index, torch.tensor(read, device=device), hidden, greedy, rows)
 
     def _pick(self, index: torch.Tensor, greedy: bool, logits: torch.Tensor, top_k: int, stream: int) -> torch.Tensor:
         if greedy:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from ..errors import CapacityError, SessionClosed
 from ..listeners import Listeners
 from ..mailbox import Mailbox
 from ..models.mimi import MimiStreams
+from ..turns import DeviceTurns, maybe_turn
 from .generate import TTSGen, Voice
 from .model import TTSModel
 from .words import Word
@@ -104,6 +106,7 @@ class SpeechService:
         self._running = False
         self._thread: threading.Thread | None = None
         self.on_step: Listeners[[float, int]] = Listeners("speech step")  # (seconds, streams stepped)
+        self.turns: DeviceTurns | None = None  # set when another model's loop steps on this device (`turns`)
 
     def start(self) -> None:
         self._running = True
@@ -206,6 +209,10 @@ class SpeechService:
                             if i in self._slots:
                                 self._end(self._slots[i])
 
+    def _turn(self) -> AbstractContextManager[None]:
+        """One part of a step (listen, speak, Mimi) on the device, between the engine's steps when it shares it."""
+        return maybe_turn(self.turns, urgent=False)
+
     def _ready_slots(self) -> list[int]:
         """Lock held: the slots whose session has begun and may step (`TTSGen.ready`)."""
         return sorted(i for i in self._slots if self.gen.states[i] is not None and self.gen.ready(i))
@@ -219,12 +226,12 @@ class SpeechService:
 
     def _step(self, live: list[int]) -> None:
         tts = self.model.tts
-        out, _ = self.gen.step(live)
+        out, _ = self.gen.step(live, self._turn)
         speaking = [(k, slot) for k, slot in enumerate(live) if self._row(slot) >= tts.delay_steps]
         pcm = None
         if speaking:
             codes = out[[k for k, _ in speaking], 1:, None]
-            with torch.no_grad():
+            with torch.no_grad(), self._turn():
                 decoded = self.mimi.decode([slot for _, slot in speaking], codes).float()
             pcm = decoded.clamp_(-PCM_LIMIT, PCM_LIMIT).cpu().numpy()
         chunks = {slot: pcm[i] for i, (_, slot) in enumerate(speaking)} if pcm is not None else {}

@@ -55,6 +55,23 @@ def hub_repo(ref: str | Path) -> str | None:
     return None
 
 
+def hub_folder(ref: str, patterns: list[str], what: str) -> Path:
+    """A local folder for `ref`: the folder itself, or a hub repo id's snapshot of the files matching `patterns`
+    (through the HF cache). `CheckpointError` (option "model") naming `what` it should have been."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    if hub_repo(ref) is None:
+        raise CheckpointError(f"{ref}: not a folder or a Hugging Face repo id ({what})", "model")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(ref, allow_patterns=patterns))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, no access: all end the same way
+        why = f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{ref}: cannot fetch it from the Hugging Face hub ({why})", "model") from None
+
+
 def resolve_file(ref: str | Path, default_name: str) -> Path:
     """Turn a weights reference into a local file path; `default_name` is used for directories and repo ids."""
     text = str(ref)

@@ -55,12 +55,13 @@ def check_transcriber(ref: str) -> None:
 
 
 def check_tts(settings: ServerSettings) -> None:
-    """`--tts` is demo-tts or a folder holding a Kyutai TTS config (the weights are read at load), and
-    `--tts-voices` a folder."""
-    if settings.tts is not None and settings.tts != "demo-tts":
+    """`--tts` is demo-tts, a hub repo id, or a folder holding a Kyutai TTS config (the weights are read at load),
+    and `--tts-voices` a folder or a hub repo id."""
+    if settings.tts is not None and settings.tts != "demo-tts" and hub_repo(settings.tts) is None:
         read_config(Path(settings.tts))  # CheckpointError (option "model") naming what the folder lacks
-    if settings.tts_voices is not None and not Path(settings.tts_voices).is_dir():
-        raise CheckpointError(f"{settings.tts_voices}: not a folder", "tts_voices")
+    voices = settings.tts_voices
+    if voices is not None and not Path(voices).is_dir() and hub_repo(voices) is None:
+        raise CheckpointError(f"{voices}: not a folder or a Hugging Face repo id", "tts_voices")
 
 
 def _not_gemma4_with_audio(folder: Path) -> str | None:

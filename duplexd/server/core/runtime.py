@@ -28,6 +28,7 @@ from duplexd.engine.persona.voices import VoiceLibrary
 from duplexd.engine.stt.delay import delay_tokens
 from duplexd.engine.transcription.service import TranscriptionConfig, TranscriptionService
 from duplexd.engine.transcription.transcriber import Transcriber, model_folder
+from duplexd.engine.turns import DeviceTurns
 from duplexd.engine.weights.checkpoint import (
     CONFIG_NAME,
     MOSHI_NAME,
@@ -340,6 +341,11 @@ def load_runtime(settings: ServerSettings) -> Runtime:
                 f"{e}; the transcriber shares {device}: give it another with --transcribe-device, or a smaller model"
             ) from None
         logger.info("%s: loaded in %.1f s", step, time.perf_counter() - started)
+    if speech is not None:  # the speech service takes turns with the engine on its device
+        shared = next((e for e in engines if e.device == torch.device(speech.device)), None)
+        if shared is not None:
+            shared.turns = speech.service.turns = DeviceTurns()
+            logger.info("%s: the engine and the text-to-speech model take turns (engine first)", shared.device)
     first, (lm, mimi) = engines[0], models[0]
     voices = load_voices(settings, lm, mimi)
     model_id = _model_id(settings, files)

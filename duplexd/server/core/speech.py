@@ -24,6 +24,7 @@ from duplexd.engine.tts.generate import Voice
 from duplexd.engine.tts.model import TTSModel, load_tts, voice_embedding
 from duplexd.engine.tts.service import SpeechService
 from duplexd.engine.tts.words import MAIN, StreamWords
+from duplexd.engine.weights.hub import hub_folder
 
 from .settings import ServerSettings
 
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 DEMO_TTS = "demo-tts"
 UNMUTE_DEFAULT_VOICE = "unmute-prod-website/default_voice.wav"  # moshi-server's default in Kyutai's configs
+TTS_FILES = ["*.json", "*.safetensors", "*.model"]  # what a hub TTS repo's snapshot fetches
 FINAL_PADDING = 4  # moshi-server's worker's, which ends max_delay steps after generate's (`SpeechModel`)
 
 
@@ -48,6 +50,10 @@ class SpeechModel:
     cfg_value: str | None  # the distilled model's CFG coefficient as its `cfg` table spells it; None: no table
     temperature: float
     demo: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm.text_emb.device
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -96,15 +102,18 @@ def load_speech(settings: ServerSettings, device: str, dtype: torch.dtype) -> Sp
     demo = settings.tts == DEMO_TTS
     started = time.perf_counter()
     try:
-        folder = demo_tts_folder() if demo else Path(settings.tts)
+        folder = demo_tts_folder() if demo else hub_folder(settings.tts, TTS_FILES, "a Kyutai TTS model")
         model = load_tts(folder, device=device, dtype=dtype)
     except CheckpointError as e:
         raise CheckpointError(str(e), "tts") from None
-    voices_dir = Path(settings.tts_voices) if settings.tts_voices else folder / "voices"
-    voices = load_voices(voices_dir, model)
+    try:
+        voices_dir = hub_folder(settings.tts_voices, ["*.safetensors"], "voices") if settings.tts_voices else None
+    except CheckpointError as e:
+        raise CheckpointError(str(e), "tts_voices") from None
+    voices = load_voices(voices_dir or folder / "voices", model)
     default = settings.tts_default_voice or (UNMUTE_DEFAULT_VOICE if UNMUTE_DEFAULT_VOICE in voices else min(voices))
     if default not in voices:
-        raise CheckpointError(f"default voice {default!r} is not in {voices_dir}", "tts_default_voice")
+        raise CheckpointError(f"default voice {default!r} is not among the voices", "tts_default_voice")
     tts = model.tts
     cfg_value = f"{settings.tts_cfg_coef:.1f}" if tts.cfg_values else None
     if cfg_value is not None and cfg_value not in tts.cfg_values:
