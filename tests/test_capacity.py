@@ -213,3 +213,26 @@ def test_a_shorter_window_fits_more_sessions(capsys):
     full = _capacity_json(capsys, "--gpu-memory", "80GB", "--kv-dtype", "int8")
     short = _capacity_json(capsys, "--gpu-memory", "80GB", "--kv-dtype", "int8", "--window", "750")
     assert short["kv_window"] == -(-750 // 64) * full["kv_window"] // 47 and short["sessions"] > 3 * full["sessions"]
+
+
+def test_tts_streams_beside_the_model_are_what_the_speech_service_allocates(capsys, tmp_path):
+    """`--tts-streams N` sets aside tts-1.6b's share first; its terms are the speech service's own allocations
+    (checked on the demo TTS, on the CPU: its KV windows, its voices' keys and values, its weights)."""
+    from duplexd.engine.tts.demo import demo_tts_folder
+    from duplexd.engine.tts.model import load_tts
+    from duplexd.engine.tts.service import SpeechService
+    from duplexd.engine.tts.sizing import speech_memory
+
+    model = load_tts(demo_tts_folder(tmp_path))
+    service = SpeechService(model, 3)
+    counted = speech_memory(model.lm.cfg, model.tts, 3, torch.float32, mimi_preset="demo-32")
+    assert counted.kv == service.gen.kv.nbytes
+    assert counted.voices == service.gen.voices.nbytes
+    assert counted.weights == sum(t.nbytes for m in (model.lm, model.mimi) for t in [*m.parameters(), *m.buffers()])
+    assert main(["capacity", "--model", "stt-1b", "--gpu-memory", "48GiB", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert main(["capacity", "--model", "stt-1b", "--gpu-memory", "48GiB", "--tts-streams", "16", "--json"]) == 0
+    mixed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert mixed["tts_streams"] == 16 and 5 * 2**30 < mixed["tts_memory"] < 8 * 2**30
+    assert alone["free_for_engine"] - mixed["free_for_engine"] == mixed["tts_memory"]
+    assert mixed["sessions"] < alone["sessions"]

@@ -31,9 +31,12 @@ from duplexd.engine.dialogue.engine import (
 )
 from duplexd.engine.errors import InputRefused
 from duplexd.engine.kv.dtypes import KV_DTYPES
-from duplexd.engine.models.config import MIMI_PRESETS, PRESET_MIMI, PRESETS, LMConfig
+from duplexd.engine.models.config import MIMI_PRESETS, PRESET_MIMI, PRESETS, TTS_1_6B, LMConfig
 from duplexd.engine.models.int8_weights import WEIGHT_DTYPES, weight_dtypes
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
+from duplexd.engine.tts.config import tts_config_from_dict
+from duplexd.engine.tts.demo import tts_keys
+from duplexd.engine.tts.sizing import speech_memory
 from duplexd.engine.weights.checkpoint import build_lm, int8_plan, mimi_ring_rule, read_lm_config
 
 GiB = 2**30
@@ -81,6 +84,8 @@ class Capacity:
     kv_pages: int  # the pool's pages for `sessions` sessions (a scratch page comes on top)
     kv_pool: int  # bytes the pool allocates, scratch page included
     at_limit: bool  # the search stopped at SEARCH_LIMIT: at least this many fit
+    tts_streams: int = 0  # streams of tts-1.6b set aside beside the model (`duplexd serve --tts`)
+    tts_memory: int = 0  # their weights, KV windows, voices' keys and values and Mimi streams
 
     def lines(self) -> list[str]:
         more = "at least " if self.at_limit else ""
@@ -94,7 +99,11 @@ class Capacity:
             f"{self.sessions} slots",
             f"  KV: {self.kv_window / GiB:.3f} GiB per session ({self.kv_window // self.kv_page} pages of "
             f"{self.page_size} frames), pool {self.kv_pool / GiB:.2f} GiB ({self.kv_pages} pages + scratch)",
-        ]
+        ] + (
+            [f"  beside it: tts-1.6b with {self.tts_streams} streams, {self.tts_memory / GiB:.2f} GiB"]
+            if self.tts_streams
+            else []
+        )
 
 
 def formats(dtypes: dict[str, str]) -> str:
@@ -130,9 +139,11 @@ def capacity(
     page_size: int = 64,
     device: str = "cuda",
     weights_dtype: str = "bf16",
+    tts_streams: int = 0,
 ) -> Capacity:
     """Sessions that fit on `device` with `memory` bytes (None: the live device's free memory now);
-    `weights_dtype` "int8": the LM's projections as int8 weights, as `--weights-dtype int8` loads them."""
+    `weights_dtype` "int8": the LM's projections as int8 weights, as `--weights-dtype int8` loads them;
+    `tts_streams`: that many streams of tts-1.6b (`duplexd serve --tts`, loaded first) take their share first."""
     lm = build_lm(cfg, "meta", dtype, int8=int8_plan(cfg, set(), weights_dtype))
     with torch.device("meta"):
         mimi = MimiModel(mimi_ring_rule(MIMI_PRESETS[mimi_preset], cfg))  # as the server builds it
@@ -142,7 +153,8 @@ def capacity(
         context, memory = 0, total
     else:
         free, context = memory, CUDA_CONTEXT
-    free_for_engine = max(free - context - lm_weights - mimi_weights, 0)
+    tts = tts_memory(tts_streams, dtype) if tts_streams else 0
+    free_for_engine = max(free - context - tts - lm_weights - mimi_weights, 0)
     config = EngineConfig(
         max_sessions=SEARCH_LIMIT, page_size=page_size, max_session_frames=window, device=device, kv_dtype=kv_dtype
     )
@@ -170,13 +182,24 @@ def capacity(
         kv_pages=pages,
         kv_pool=(pages + 1) * page if sessions else 0,
         at_limit=sessions == SEARCH_LIMIT,
+        tts_streams=tts_streams,
+        tts_memory=tts,
     )
+
+
+def tts_memory(streams: int, dtype: torch.dtype) -> int:
+    """Bytes of tts-1.6b's speech service with `streams` streams (its 512-wide voices, 5 places of 125 frames)."""
+    tts = tts_config_from_dict(tts_keys(512, 16))
+    assert tts is not None
+    return speech_memory(TTS_1_6B, tts, streams, dtype).total
 
 
 def run(args: argparse.Namespace) -> int:
     name, cfg, mimi_preset = lm_config(args)
     if args.window is not None and args.window < 1:
         raise InputRefused(f"{args.window}: must be at least 1 frame", "window")
+    if args.tts_streams < 0:
+        raise InputRefused(f"{args.tts_streams}: must be 0 or more", "tts_streams")
     memory = None if args.gpu_memory is None else parse_size(args.gpu_memory)
     device = "cuda"
     if memory is None:
@@ -196,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         args.window,
         device=device,
         weights_dtype=args.weights_dtype,
+        tts_streams=args.tts_streams,
     )
     if not args.json:
         sys.stdout.write("\n".join(result.lines()) + "\n")
@@ -221,6 +245,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=WEIGHT_DTYPES,
         default="bf16",
         help="LM projections: bf16 (the weight dtype) or int8 (codes with an fp32 scale per output channel)",
+    )
+    p.add_argument(
+        "--tts-streams",
+        type=int,
+        default=0,
+        metavar="N",
+        help="set aside N streams of tts-1.6b beside the model, as duplexd serve --tts loads it on the same GPU",
     )
     p.add_argument("--window", type=int, metavar="FRAMES", help="session length in frames (default: a full window)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")

@@ -1,0 +1,46 @@
+"""Device memory of a speech service: what `duplexd capacity` sets aside for `duplexd serve --tts`'s streams.
+
+The same allocations the service makes, counted on the `meta` device: the LM and Mimi weights, each stream's whole
+window of KV pages (`TTSGen` reserves one per slot), its voice's cross-attention keys and values in every layer (5
+voice places of 125 frames), and its Mimi streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.paged import PagedKVCache, window_pages
+from ..models.config import MIMI_PRESETS, LMConfig
+from ..models.mimi import MimiModel, MimiStreams
+from ..weights.checkpoint import build_lm
+from .config import TTSConfig
+
+PAGE_SIZE = 16  # TTSGen's
+
+
+@dataclass(frozen=True)
+class SpeechMemory:
+    weights: int  # LM and Mimi
+    kv: int  # every stream's window, the scratch page included
+    voices: int  # cross-attention keys and values
+    mimi_streams: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.voices + self.mimi_streams
+
+
+def speech_memory(
+    cfg: LMConfig, tts: TTSConfig, streams: int, dtype: torch.dtype, mimi_preset: str = "mimi-32"
+) -> SpeechMemory:
+    lm = build_lm(cfg, "meta", dtype)
+    with torch.device("meta"):
+        mimi = MimiModel(MIMI_PRESETS[mimi_preset])
+    weights = sum(t.nbytes for m in (lm, mimi) for t in [*m.parameters(), *m.buffers()])
+    page = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, PAGE_SIZE, dtype)
+    kv = (streams * window_pages(cfg.context, PAGE_SIZE) + 1) * page
+    sources = tts.max_speakers * tts.speaker_frames
+    voices = cfg.num_layers * 2 * streams * cfg.num_heads * sources * cfg.head_dim * dtype.itemsize
+    return SpeechMemory(weights, kv, voices, MimiStreams.state_bytes(mimi, streams))
