@@ -1,6 +1,6 @@
 """Speech to text and text to speech in one server: each model's streams alone, then both at once, over real sockets.
 
-Usage: python bench/speech_mix.py [--streams 2] [--seconds 10] [--words-per-second 10] [--threads 2]
+Usage: python bench/speech_mix.py [--streams 2] [--seconds 10] [--words-per-second 10] [--words 18]
 One `duplexd serve` on the CPU with the demo STT (Kyutai STT's layout, tiny) as its main model and `--tts demo-tts`
 beside it, as Unmute would use it: `--streams` speech-to-text streams on `/api/asr-streaming` (80 ms of audio a
 message at real-time pace, Unmute's `SpeechToText` messages back) and `--streams` text-to-speech streams on
@@ -117,14 +117,14 @@ async def stt_stream(port: int, until: float, phase: Phase, seed: int) -> None:
         await sender
 
 
-async def tts_stream(port: int, until: float, phase: Phase, words_per_second: float) -> None:
+async def tts_stream(port: int, until: float, phase: Phase, words_per_second: float, words: list[str]) -> None:
     while time.monotonic() < until:
         async with connect(f"ws://127.0.0.1:{port}/api/tts_streaming?format=PcmMessagePack", max_size=None) as ws:
             assert msgpack.unpackb(await ws.recv())["type"] == "Ready"
             first_word = time.monotonic()
 
             async def send() -> None:
-                for word in REPLY:
+                for word in words:
                     await ws.send(msgpack.packb({"type": "Text", "text": word}))
                     await asyncio.sleep(1 / words_per_second)
                 await ws.send(msgpack.packb({"type": "Eos"}))
@@ -152,7 +152,8 @@ async def run_phase(port: int, args: argparse.Namespace, stt: bool, tts: bool) -
     before = step_sums(port)
     until = time.monotonic() + args.seconds
     jobs = [stt_stream(port, until, phase, k) for k in range(args.streams if stt else 0)]
-    jobs += [tts_stream(port, until, phase, args.words_per_second) for _ in range(args.streams if tts else 0)]
+    reply = REPLY[: args.words]
+    jobs += [tts_stream(port, until, phase, args.words_per_second, reply) for _ in range(args.streams if tts else 0)]
     await asyncio.gather(*jobs)
     after = step_sums(port)
     phase.steps = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
@@ -173,6 +174,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=2, help="streams of each model")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
     parser.add_argument("--words-per-second", type=float, default=10.0, help="the LLM's pace, in words")
+    parser.add_argument("--words", type=int, default=len(REPLY), help="words in a reply (at most 18)")
     args = parser.parse_args()
     with ending_children(), tempfile.TemporaryDirectory() as tmp:
         port = free_port()

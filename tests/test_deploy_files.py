@@ -42,6 +42,20 @@ def interpolate(text: str) -> str:
     return re.sub(r"\$\{(\w+)(?::?-([^}]*)|:?\?[^}]*)?\}", lambda m: m.group(2) or "set", text)
 
 
+def test_the_unmute_compose_file_points_unmute_at_one_duplexd():
+    """docker/compose.unmute.yaml: valid Compose; Unmute's backend finds its STT and its TTS at the one duplexd, which
+    serves both with the key Unmute's clients send."""
+    schema = json.loads((ROOT / "tests" / "data" / "compose_spec.json").read_text())
+    compose = yaml.safe_load(interpolate((DOCKER / "compose.unmute.yaml").read_text()))
+    jsonschema.validate(compose, schema, cls=jsonschema.Draft7Validator)
+    services = compose["services"]
+    env = dict(item.split("=", 1) for item in services["backend"]["environment"])
+    assert env["KYUTAI_STT_URL"] == env["KYUTAI_TTS_URL"] == "ws://duplexd:8998"
+    command = services["duplexd"]["command"]
+    assert "--api-key=public_token" in command and any(arg.startswith("--tts=") for arg in command)
+    assert services["duplexd"]["build"]["dockerfile"] == "docker/Dockerfile"
+
+
 def test_compose_file_matches_the_compose_schema():
     schema = json.loads((ROOT / "tests" / "data" / "compose_spec.json").read_text())
     compose = yaml.safe_load(interpolate((DOCKER / "compose.yaml").read_text()))
