@@ -210,6 +210,27 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
         "--voices {tmp}/voices: voices need a PersonaPlex model, and the demo preset is not one",
         {},
     ),
+    "tts not a folder": (["serve", "--tts", "{tmp}/nope"], "--tts {tmp}/nope is not a folder (a Kyutai TTS", {}),
+    "tts not a TTS model": (
+        ["serve", "--tts", "{tmp}/llama"],
+        "--tts {tmp}/llama is not a Kyutai TTS model (its config.json has no model_type tts)",
+        {},
+    ),
+    "tts voices missing": (
+        ["serve", "--tts", "demo-tts", "--tts-voices", "{tmp}/nope"],
+        "--tts-voices {tmp}/nope: not a folder or a Hugging Face repo id",
+        {},
+    ),
+    "tts default voice unknown": (
+        ["serve", "--tts", "demo-tts", "--tts-default-voice", "demo/carol.wav"],
+        "--tts-default-voice demo/carol.wav: not one of the voices (demo/alice.wav, demo/bob.wav)",
+        {},
+    ),
+    "tts cfg coefficient": (
+        ["serve", "--tts", "demo-tts", "--tts-cfg-coef", "2.2"],
+        "--tts-cfg-coef 2.2: the model takes 1.0, 1.5",
+        {},
+    ),
 }
 # Cases on a real (tiny) Gemma 4 checkpoint, rewritten: they need transformers to write it.
 GEMMA_CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {

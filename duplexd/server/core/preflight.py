@@ -17,15 +17,18 @@ from safetensors import SafetensorError, safe_open
 
 from duplexd.engine.devices import check_devices, check_kv_dtype
 from duplexd.engine.errors import CheckpointError, InputRefused
-from duplexd.engine.models.config import LMConfig
+from duplexd.engine.models.config import ConfigError, LMConfig
 from duplexd.engine.persona.voices import AUDIO_SUFFIXES, PRESET_SUFFIX, voice_files
 from duplexd.engine.transcription.transcriber import import_transformers
+from duplexd.engine.tts.config import tts_config_from_dict
+from duplexd.engine.tts.demo import demo_tts_folder
 from duplexd.engine.tts.model import read_config
 from duplexd.engine.weights.hub import hub_repo
 from duplexd.engine.weights.model_files import check_model_files
 
 from .runtime import resolve_files
 from .settings import ServerSettings, SettingsError
+from .speech import DEMO_TTS, cfg_table_value, default_voice, voice_names
 
 AUDIO_TOWER = ("model.audio_tower.", "audio_tower.")  # as engine.gemma4_checkpoint reads them
 
@@ -55,13 +58,30 @@ def check_transcriber(ref: str) -> None:
 
 
 def check_tts(settings: ServerSettings) -> None:
-    """`--tts` is demo-tts, a hub repo id, or a folder holding a Kyutai TTS config (the weights are read at load),
-    and `--tts-voices` a folder or a hub repo id."""
-    if settings.tts is not None and settings.tts != "demo-tts" and hub_repo(settings.tts) is None:
-        read_config(Path(settings.tts))  # CheckpointError (option "model") naming what the folder lacks
+    """`--tts` is demo-tts, a hub repo id, or a folder holding a Kyutai TTS config; `--tts-voices` a folder or a
+    hub repo id; and for a local model, its `cfg` table holds `--tts-cfg-coef` and its voices the default voice
+    (from config.json and the file names: no tensor is read; a hub model's are checked as it loads)."""
     voices = settings.tts_voices
     if voices is not None and not Path(voices).is_dir() and hub_repo(voices) is None:
         raise CheckpointError(f"{voices}: not a folder or a Hugging Face repo id", "tts_voices")
+    ref = settings.tts
+    if ref is None or (ref != DEMO_TTS and hub_repo(ref) is not None):
+        return
+    folder = demo_tts_folder() if ref == DEMO_TTS else Path(ref)
+    try:
+        tts = tts_config_from_dict(read_config(folder))
+    except ConfigError as e:
+        raise CheckpointError(f"{folder}: {e}", "tts") from None
+    except CheckpointError as e:
+        raise CheckpointError(str(e), "tts") from None
+    assert tts is not None
+    cfg_table_value(settings, tts)
+    if voices is None or hub_repo(voices) is None:
+        folder = Path(voices) if voices is not None else folder / "voices"
+        names = voice_names(folder, tts.voice_suffix) if folder.is_dir() else []
+        if not names:
+            raise CheckpointError(f"{folder} holds no voice of this model (*{tts.voice_suffix} files)", "tts_voices")
+        default_voice(settings, names)
 
 
 def _not_gemma4_with_audio(folder: Path) -> str | None:
@@ -187,10 +207,7 @@ def preflight(settings: ServerSettings) -> socket.socket:
             check_transcriber(settings.transcribe)
         if settings.tts_device is not None:
             check_devices([settings.tts_device], "tts_device")
-        try:
-            check_tts(settings)
-        except CheckpointError as e:
-            raise CheckpointError(str(e), "tts" if e.option == "model" else e.option) from None
+        check_tts(settings)
     except InputRefused as e:
         raise refused(settings, e) from None
     check_tls(settings)

@@ -19,6 +19,7 @@ import torch
 
 from duplexd.engine.errors import CheckpointError
 from duplexd.engine.models.tokenizer import TextTokenizer
+from duplexd.engine.tts.config import TTSConfig
 from duplexd.engine.tts.demo import demo_tts_folder
 from duplexd.engine.tts.generate import Voice
 from duplexd.engine.tts.model import TTSModel, load_tts, voice_embedding
@@ -111,13 +112,9 @@ def load_speech(settings: ServerSettings, device: str, dtype: torch.dtype) -> Sp
     except CheckpointError as e:
         raise CheckpointError(str(e), "tts_voices") from None
     voices = load_voices(voices_dir or folder / "voices", model)
-    default = settings.tts_default_voice or (UNMUTE_DEFAULT_VOICE if UNMUTE_DEFAULT_VOICE in voices else min(voices))
-    if default not in voices:
-        raise CheckpointError(f"default voice {default!r} is not among the voices", "tts_default_voice")
+    default = default_voice(settings, list(voices))
     tts = model.tts
-    cfg_value = f"{settings.tts_cfg_coef:.1f}" if tts.cfg_values else None
-    if cfg_value is not None and cfg_value not in tts.cfg_values:
-        raise CheckpointError(f"{settings.tts_cfg_coef}: the model takes {', '.join(tts.cfg_values)}", "tts_cfg_coef")
+    cfg_value = cfg_table_value(settings, tts)
     service = SpeechService(model, settings.tts_streams, final_padding=FINAL_PADDING + model.lm.cfg.max_delay)
     model_id = "duplexd-demo-tts" if demo else folder.resolve().name
     logger.info(
@@ -134,6 +131,32 @@ def load_speech(settings: ServerSettings, device: str, dtype: torch.dtype) -> Sp
     return SpeechModel(model_id, model, service, voices, default, cfg_value, temperature, demo)
 
 
+def default_voice(settings: ServerSettings, names: list[str]) -> str:
+    """`--tts-default-voice`, else Unmute's default when present, else the first name; `CheckpointError` naming the
+    voices when it is not one of them."""
+    default = settings.tts_default_voice or (UNMUTE_DEFAULT_VOICE if UNMUTE_DEFAULT_VOICE in names else min(names))
+    if default not in names:
+        listed = ", ".join(sorted(names)[:8]) + (" …" if len(names) > 8 else "")
+        raise CheckpointError(f"{default}: not one of the voices ({listed})", "tts_default_voice")
+    return default
+
+
+def cfg_table_value(settings: ServerSettings, tts: TTSConfig) -> str | None:
+    """`--tts-cfg-coef` as the model's `cfg` table spells it (None: no table); `CheckpointError` for a value it
+    does not hold."""
+    if not tts.cfg_values:
+        return None
+    value = f"{settings.tts_cfg_coef:.1f}"
+    if value not in tts.cfg_values:
+        raise CheckpointError(f"{settings.tts_cfg_coef}: the model takes {', '.join(tts.cfg_values)}", "tts_cfg_coef")
+    return value
+
+
+def voice_names(folder: Path, suffix: str) -> list[str]:
+    """The voices under `folder`: the embedding files' paths less the model's suffix."""
+    return sorted(str(p.relative_to(folder)).removesuffix(suffix) for p in folder.rglob("*" + suffix))
+
+
 def load_voices(folder: Path, model: TTSModel) -> dict[str, torch.Tensor]:
     """Every voice under `folder` by name, on the model's device; `CheckpointError` for none or a bad one."""
     suffix = model.tts.voice_suffix
@@ -141,10 +164,9 @@ def load_voices(folder: Path, model: TTSModel) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{folder}: no voices folder (give --tts-voices DIR)", "tts_voices")
     device = model.lm.text_emb.device
     voices = {}
-    for path in sorted(folder.rglob("*" + suffix)):
-        name = str(path.relative_to(folder)).removesuffix(suffix)
+    for name in voice_names(folder, suffix):
         try:
-            voices[name] = voice_embedding(str(path), None, model.tts).to(device)
+            voices[name] = voice_embedding(str(folder / (name + suffix)), None, model.tts).to(device)
         except CheckpointError as e:
             raise CheckpointError(str(e), "tts_voices") from None
     if not voices:
