@@ -8,7 +8,8 @@ message at real-time pace, Unmute's `SpeechToText` messages back) and `--streams
 them, then `Eos`, read until the close). Three phases of `--seconds`: STT alone, TTS alone, both.
 
 Measured per phase: STT, the time from sending a frame to its `Step` (p50, p99) and the fraction later than 80 ms;
-TTS, the time from a reply's first word to its first audio (p50, p99) and its late frames (audio frame i arriving
+TTS, the time from connecting to `Ready` (the longest: Unmute gives up after 0.5 s), from a reply's first word to
+its first audio (p50, p99) and its late frames (audio frame i arriving
 after first audio + i x 80 ms: a client that starts playing at the first frame would run dry); each model's mean
 step time from the server's `/metrics` histograms. The reference of each model is that model alone: the last line
 (JSON) holds the together/alone ratios of the step times.
@@ -49,6 +50,7 @@ REPLY = "Sure, here is what I found about that: it should be ready by tomorrow m
 class Phase:
     stt_latency: list[float] = field(default_factory=list)
     ttfa: list[float] = field(default_factory=list)
+    ready: list[float] = field(default_factory=list)  # TTS: from connecting to `Ready` (Unmute waits 0.5 s)
     tts_frames: int = 0
     tts_late: int = 0
     replies: int = 0
@@ -119,9 +121,11 @@ async def stt_stream(port: int, until: float, phase: Phase, seed: int) -> None:
 
 async def tts_stream(port: int, until: float, phase: Phase, words_per_second: float, words: list[str]) -> None:
     while time.monotonic() < until:
+        opened = time.monotonic()
         async with connect(f"ws://127.0.0.1:{port}/api/tts_streaming?format=PcmMessagePack", max_size=None) as ws:
             assert msgpack.unpackb(await ws.recv())["type"] == "Ready"
             first_word = time.monotonic()
+            phase.ready.append(first_word - opened)
 
             async def send() -> None:
                 for word in words:
@@ -215,6 +219,7 @@ def main() -> int:
             result[f"stt_ms_p99_{key}"] = round(pct(p.stt_latency, 99), 1)
             result[f"stt_step_ms_{key}"] = round(mean_step_ms(p, "stt"), 2)
         if p.ttfa:
+            result[f"ready_ms_max_{key}"] = round(max(p.ready) * 1000, 1)
             result[f"tts_late_frac_{key}"] = round(tts_late, 4)
             result[f"ttfa_ms_p50_{key}"] = round(pct(p.ttfa, 50), 1)
             result[f"tts_step_ms_{key}"] = round(mean_step_ms(p, "tts"), 2)
