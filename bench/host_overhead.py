@@ -46,7 +46,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench.processes import descendants, ending_children  # noqa: E402
+from bench.processes import descendants, ending_children, wait_ready  # noqa: E402
 
 FRAME_SECONDS = 0.08
 CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -322,18 +322,8 @@ def start_server(
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HOST_OVERHEAD_COUNTERS": str(counters)}
         )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
-                if r.status == 200:
-                    return proc
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server not ready:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
+    wait_ready(proc, f"http://127.0.0.1:{port}", log)
+    return proc
 
 
 def thread_names(pid: int) -> dict[int, str]:

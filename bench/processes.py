@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -81,3 +83,19 @@ def ending_children(grace: float = 10.0) -> Iterator[None]:
         left = descendants(os.getpid())
         if left:
             stop(left, grace)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180.0) -> None:
+    """Wait until the server `proc` (its output in `log`) answers 200 on `url`/ready; `RuntimeError` with the log's
+    tail if it exits or is not ready within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
+                if r.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not ready:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)

@@ -40,7 +40,7 @@ from websockets.exceptions import ConnectionClosed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.host_overhead import free_port  # noqa: E402
-from bench.processes import ending_children  # noqa: E402
+from bench.processes import ending_children, wait_ready  # noqa: E402
 
 RATE, FRAME, FRAME_S = 24000, 1920, 0.08
 REPLY = "Sure, here is what I found about that: it should be ready by tomorrow morning, if all goes well.".split()
@@ -69,17 +69,8 @@ def start_server(port: int, args: argparse.Namespace, log: Path) -> subprocess.P
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
-                if r.status == 200:
-                    return proc
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server not ready:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
+    wait_ready(proc, f"http://127.0.0.1:{port}", log)
+    return proc
 
 
 def step_sums(port: int) -> dict[str, tuple[float, float]]:

@@ -49,14 +49,20 @@ class Marker:
 ClientMessage = Audio | OggOpus | Marker
 
 
-def decode(data: bytes) -> ClientMessage:
-    """One client message from a binary WebSocket frame; `MessageError` naming what is wrong."""
+def unpack_map(data: bytes) -> dict:
+    """A client's MessagePack map (tagged by `type`); `MessageError` for anything else."""
     try:
         value = msgpack.unpackb(data, raw=False)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise MessageError(f"not a MessagePack message ({e})") from None
     if not isinstance(value, dict):
         raise MessageError(f"expected a MessagePack map with a `type`, got {kind_of(value)}")
+    return value
+
+
+def decode(data: bytes) -> ClientMessage:
+    """One client message from a binary WebSocket frame; `MessageError` naming what is wrong."""
+    value = unpack_map(data)
     kind = value.get("type")
     if kind == "Audio":
         return Audio(_pcm(_field(value, "Audio", "pcm")))

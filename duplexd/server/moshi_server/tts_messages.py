@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from .asr_messages import MessageError, kind_of
+from .asr_messages import MessageError, kind_of, unpack_map
 
 FORMATS = ("OggOpus", "Pcm", "PcmMessagePack", "OggOpusMessagePack")
 DEFAULT_FORMAT = "OggOpus"
@@ -54,12 +54,7 @@ def decode(message: dict) -> ClientMessage:
     data = message.get("bytes") or b""
     if data == END_OF_TEXT:
         return Eos()
-    try:
-        value = msgpack.unpackb(data, raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise MessageError(f"not a MessagePack message ({e})") from None
-    if not isinstance(value, dict):
-        raise MessageError(f"expected a MessagePack map with a `type`, got {kind_of(value)}")
+    value = unpack_map(data)
     kind = value.get("type")
     if kind == "Text":
         text = value.get("text")
