@@ -11,6 +11,9 @@ import torch  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# Session fixtures shared by several modules (one server with a TTS model for both of its protocols' tests).
+pytest_plugins = ["tests.tts_server"]
+
 
 @pytest.fixture(scope="module")
 def one_thread():

@@ -1,6 +1,7 @@
 """Run many `python -m duplexd ARGS` command lines cheaply: one interpreter imports duplexd (and torch) once, then
-forks a child per command line that runs the real entry point (`runpy` on `duplexd.__main__`) with its own argv,
-environment, stdout and stderr, and exit code. Each is a separate process; only the import is shared.
+forks a child per command line (one per core at a time) that runs the real entry point (`runpy` on
+`duplexd.__main__`) with its own argv, environment, stdout and stderr, and exit code. Each is a separate process;
+only the import is shared.
 
 Usage: `python -m tests.forked_cli < jobs.json`, jobs a list of {"argv", "env", "out"}; writes out.stdout,
 out.stderr and out.rc per job. Forks happen before anything touches CUDA, so a child may use it.
@@ -39,14 +40,20 @@ def _child(argv: list[str], env: dict[str, str], out: str) -> None:
 
 
 def main() -> None:
+    """The jobs, as many at a time as there are cores (each child is a separate process)."""
     jobs = json.load(sys.stdin)
-    for job in jobs:
+    running: dict[int, str] = {}  # pid -> its out prefix
+    for job in [*jobs, None]:
+        while running and (job is None or len(running) >= (os.cpu_count() or 1)):
+            pid, status = os.wait()
+            with open(f"{running.pop(pid)}.rc", "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+        if job is None:
+            break
         pid = os.fork()
         if pid == 0:
             _child(job["argv"], job["env"], job["out"])
-        _, status = os.waitpid(pid, 0)
-        with open(f"{job['out']}.rc", "w") as f:
-            f.write(str(os.waitstatus_to_exitcode(status)))
+        running[pid] = job["out"]
 
 
 if __name__ == "__main__":

@@ -19,10 +19,9 @@ import soundfile as sf
 import sphn
 
 from .test_asr_e2e import KEY
-from .tts_server import expected, mimi, model_folder, run, server
+from .tts_server import expected, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-__all__ = ["mimi", "model_folder", "server"]  # the shared fixtures
 
 TEXT = "Hi there, how are you?"
 

@@ -26,17 +26,13 @@ from .tts_server import (
     VOICES,
     assert_same,
     expected,
-    mimi,
-    model_folder,
     run,
     say,
-    server,
     url,
     voice_path,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-__all__ = ["mimi", "model_folder", "server"]  # the shared fixtures
 
 
 @pytest.fixture(scope="session")

@@ -40,8 +40,9 @@ from duplexd.server.codec.wav import pcm16, wav_header
 from duplexd.server.connection.access import key_ok
 from duplexd.server.connection.closing import Close, CloseCode, Disconnected
 from duplexd.server.connection.pump import receive
+from duplexd.server.connection.speech import open_speech, speech_of, spoken
 from duplexd.server.core.context import Context, ServerContext
-from duplexd.server.core.speech import SpeechModel, VoiceRefused
+from duplexd.server.core.speech import VoiceRefused
 from duplexd.wire import FRAME_RATE
 
 from . import tts_messages as messages
@@ -52,20 +53,6 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 PATH = "/api/tts_streaming"
-
-
-def speech_of(ctx: ServerContext) -> SpeechModel:
-    assert ctx.runtime.speech is not None  # the routes are mounted only with a TTS model
-    return ctx.runtime.speech
-
-
-def open_stream(ctx: ServerContext) -> SpeechStream:
-    """A slot for a new stream: `CapacityError` when the server is draining, warming up or full."""
-    if ctx.drain.draining:
-        raise CapacityError("server draining (shutting down): connect to another replica")
-    if not ctx.runtime.ready:
-        raise CapacityError("the model is still warming up" if ctx.runtime.failed is None else "the model failed")
-    return speech_of(ctx).service.open()
 
 
 @dataclass
@@ -251,7 +238,7 @@ async def tts_streaming(ws: WebSocket, ctx: Context) -> None:
         return
     await ws.accept()
     try:
-        stream = open_stream(ctx)
+        stream = open_speech(ctx)
     except CapacityError as e:
         ctx.metrics.refused.labels("capacity").inc()
         logger.info("tts stream refused: %s", e)
@@ -297,16 +284,6 @@ class TtsQuery(BaseModel):
     voice: str | None = None
 
 
-async def spoken(stream: SpeechStream) -> AsyncIterator[np.ndarray]:
-    """A stream's speech, frame by frame, closing it however the iteration ends."""
-    try:
-        while (event := await stream.recv()) is not None:
-            if isinstance(event, SpeechChunk):
-                yield event.pcm
-    finally:
-        stream.close()
-
-
 @router.post(PATH)
 async def tts_post(request: Request, ctx: Context) -> Response:
     if not key_ok(request, ctx.settings.api_key):
@@ -321,7 +298,7 @@ async def tts_post(request: Request, ctx: Context) -> Response:
     if not any(word.tokens for word in words):
         return JSONResponse({"error": "invalid_request", "message": "no words to say"}, status_code=422)
     try:
-        stream = open_stream(ctx)
+        stream = open_speech(ctx)
     except CapacityError as e:
         ctx.metrics.refused.labels("capacity").inc()
         return JSONResponse({"error": "capacity", "message": f"{NO_FREE_CHANNELS}: {e}"}, status_code=503)

@@ -26,8 +26,8 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from duplexd.engine.errors import CapacityError
 from duplexd.server.connection.access import key_ok
+from duplexd.server.connection.speech import open_speech, speech_of, spoken
 from duplexd.server.core.context import Context
-from duplexd.server.moshi_server.tts import open_stream, speech_of, spoken
 
 from .errors import ApiError
 from .speech_formats import MEDIA_TYPES, REFUSED, audio_writer
@@ -82,7 +82,7 @@ async def create_speech(request: Request, ctx: Context) -> Response:
     if not any(word.tokens for word in words):
         return ApiError(400, "input: no words to say", "invalid_value", "input").response()
     try:
-        stream = open_stream(ctx)
+        stream = open_speech(ctx)
     except CapacityError as e:
         ctx.metrics.refused.labels("capacity").inc()
         return ApiError(503, f"every speech slot is taken ({e}); retry shortly", "server_busy").response()
