@@ -175,7 +175,8 @@ def main() -> int:
         port = free_port()
         server = start_server(port, args, Path(tmp) / "serve.log")
         try:
-            asyncio.run(run_phase(port, argparse.Namespace(**{**vars(args), "seconds": 1.0}), True, True))  # warm
+            warm = argparse.Namespace(**{**vars(args), "seconds": min(1.0, args.seconds)})
+            asyncio.run(run_phase(port, warm, True, True))
             phases = {
                 "stt alone": asyncio.run(run_phase(port, args, True, False)),
                 "tts alone": asyncio.run(run_phase(port, args, False, True)),

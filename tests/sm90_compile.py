@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,10 @@ class Recorder:
         from triton.runtime.jit import JITFunction
 
         self.compile_only = JITFunction.run  # the real one, called with warmup=True: compiles, launches nothing
+        # Compiles run on worker threads while the engine is driven on (ptxas is a subprocess; each variant is its own
+        # compile): `finish` waits for them.
+        self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+        self.pending: list[Future] = []
         self.variants: dict[tuple, dict[str, Any]] = {}
         self.first_launch: dict[str, tuple[Any, tuple, dict]] = {}
         self.context = ""
@@ -159,18 +164,26 @@ class Recorder:
                 "grids": [],
                 "error": None,
             }
-            try:
-                kernel = self.compile_only(jit_fn, *args, grid=grid, warmup=True, **kwargs)
-                record.update(
-                    num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])
-                )
-            except Exception as e:  # the report carries every failure; the test asserts there are none
-                record["error"] = f"{type(e).__name__}: {e}"
+            self.pending.append(self.pool.submit(self._compile, record, jit_fn, args, kwargs, grid))
         if context not in record["contexts"]:
             record["contexts"].append(context)
         grid = list(grid) if isinstance(grid, tuple) else repr(grid)
         if grid not in record["grids"]:
             record["grids"].append(grid)
+
+    def _compile(self, record: dict[str, Any], jit_fn, args: tuple, kwargs: dict, grid: Any) -> None:
+        try:
+            kernel = self.compile_only(jit_fn, *args, grid=grid, warmup=True, **kwargs)
+            record.update(
+                num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])
+            )
+        except Exception as e:  # the report carries every failure; the test asserts there are none
+            record["error"] = f"{type(e).__name__}: {e}"
+
+    def finish(self) -> None:
+        for future in self.pending:
+            future.result()
+        self.pool.shutdown()
 
 
 def kernel_inventory() -> tuple[list[str], list[str]]:
@@ -343,6 +356,7 @@ def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: 
     with recorder.installed():
         drive_engine(recorder, batches, layers)
     ints_set_to_one(recorder)
+    recorder.finish()
     kernels, device_functions = kernel_inventory()
     compiled = {f"{r['module']}.{r['kernel']}" for r in recorder.variants.values()}
     return {

@@ -202,7 +202,7 @@ SMOKE: dict[str, Smoke] = {
         ("--small", "--frames", "1", "--warmup", "1", *ONE), ("ratio_b1", "ratio_b4", "demo_ms_8_slots")
     ),
     "speech_mix.py": Smoke(
-        ("--streams", "1", "--seconds", "1", "--words", "2", "--words-per-second", "20"),
+        ("--streams", "1", "--seconds", "0.3", "--words", "1", "--words-per-second", "20"),
         ("stt_step_ms_together", "tts_step_ms_together", "stt_step_ratio_together_vs_alone"),
     ),
     "stt_streams.py": Smoke(("--frames", "2", "--warmup", "1", "--sessions", "2", *ONE), ("duplexd_fps_b2",)),
