@@ -162,10 +162,15 @@ class SpeechService:
 
     def close(self, stream: SpeechStream) -> None:
         with self.lock:
-            slot = self._slots.get(stream.slot)
-            if slot is not None and slot.stream is stream:
+            slot = self._slot_of(stream)
+            if slot is not None:
                 slot.closing = True
                 self._wake.notify_all()
+
+    def _slot_of(self, stream: SpeechStream) -> _Slot | None:
+        """Lock held: `stream`'s slot, while it still holds one."""
+        slot = self._slots.get(stream.slot)
+        return slot if slot is not None and slot.stream is stream else None
 
     def _end(self, slot: _Slot) -> None:
         """Lock held: the stream ends (its mailbox says so) and its slot is free again."""
@@ -193,8 +198,8 @@ class SpeechService:
                 except Exception:  # noqa: BLE001 - a stream used out of order ends alone
                     logger.exception("text-to-speech stream in slot %d failed; ending it", stream.slot)
                     with self.lock:
-                        if self._slots.get(stream.slot) is not None and self._slots[stream.slot].stream is stream:
-                            self._end(self._slots[stream.slot])
+                        if (slot := self._slot_of(stream)) is not None:
+                            self._end(slot)
             with self.lock:
                 live = self._ready_slots()
             if live:

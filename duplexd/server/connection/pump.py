@@ -315,10 +315,25 @@ class Pump:
 
 async def close_connection(adapter: Adapter, close: Close, timeout: float) -> None:
     """Send the error message (if any) and the close frame, without waiting long on a client that stalls."""
-    ws = adapter.ws
-    if ws.client_state != WebSocketState.CONNECTED or ws.application_state != WebSocketState.CONNECTED:
+    if not connected(adapter.ws):
         return
     with contextlib.suppress(Exception):
         if close.notify:
             await asyncio.wait_for(adapter.send_error(close), timeout)
-        await asyncio.wait_for(ws.close(close.code, close.reason), min(timeout, 2.0))
+        await _close_frame(adapter.ws, close, timeout)
+
+
+async def close_socket(ws: WebSocket, close: Close, timeout: float) -> None:
+    """The close frame alone (no error message), the same way."""
+    if not connected(ws):
+        return
+    with contextlib.suppress(Exception):
+        await _close_frame(ws, close, timeout)
+
+
+def connected(ws: WebSocket) -> bool:
+    return ws.client_state == WebSocketState.CONNECTED and ws.application_state == WebSocketState.CONNECTED
+
+
+async def _close_frame(ws: WebSocket, close: Close, timeout: float) -> None:
+    await asyncio.wait_for(ws.close(close.code, close.reason), min(timeout, 2.0))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from duplexd.engine.tts.config import TTSConfig
 from duplexd.engine.tts.demo import demo_tts_folder
 from duplexd.engine.tts.generate import Voice
 from duplexd.engine.tts.model import TTSModel, load_tts, voice_embedding
-from duplexd.engine.tts.service import SpeechService
+from duplexd.engine.tts.service import SpeechService, SpeechStream
 from duplexd.engine.tts.words import MAIN, StreamWords
 from duplexd.engine.weights.hub import hub_folder
 
@@ -71,6 +72,10 @@ class SpeechModel:
     def words(self) -> StreamWords:
         """A new stream's word splitter (moshi-server's: the first word starts with the main speaker's token)."""
         return StreamWords(self.tokenizer.encode, bos=MAIN)
+
+    def begin(self, stream: SpeechStream, voice: Voice) -> None:
+        """Start `stream` in `voice` at the server's temperature, with a seed of its own."""
+        stream.begin(voice, self.temperature, random.getrandbits(31))
 
     def _values(self) -> tuple[tuple[str, str | None], ...]:
         return (("control", "ok"), ("cfg", self.cfg_value))

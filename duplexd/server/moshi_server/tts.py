@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ import numpy as np
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.websockets import WebSocketState
 
 from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.tts.generate import Voice
@@ -39,8 +37,8 @@ from duplexd.server.codec.batches import Encoder
 from duplexd.server.codec.wav import pcm16, wav_header
 from duplexd.server.connection.access import key_ok
 from duplexd.server.connection.closing import Close, CloseCode, Disconnected
-from duplexd.server.connection.pump import receive
-from duplexd.server.connection.speech import open_speech, speech_of, spoken
+from duplexd.server.connection.pump import close_socket, receive
+from duplexd.server.connection.speech import open_speech, say, speech_of, spoken
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.core.speech import VoiceRefused
 from duplexd.wire import FRAME_RATE
@@ -136,8 +134,7 @@ class TtsConnection:
             return
         if not self.begun:
             self.begun = True
-            voice = self.custom_voice or self.speech.voice(self.voice_name)
-            self.stream.begin(voice, self.speech.temperature, random.getrandbits(31))
+            self.speech.begin(self.stream, self.custom_voice or self.speech.voice(self.voice_name))
         self.stream.push(words)
 
     # ------------------------------------------------------------------------------------------- model → client
@@ -215,15 +212,7 @@ class TtsConnection:
         await close_socket(self.ws, outcome, self.ctx.settings.send_timeout)
 
 
-async def close_socket(ws: WebSocket, close: Close, timeout: float) -> None:
-    """The close frame alone (after `Ready` moshi-server's clients take nothing else), if the socket is open."""
-    if ws.client_state != WebSocketState.CONNECTED or ws.application_state != WebSocketState.CONNECTED:
-        return
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(ws.close(close.code, close.reason), min(timeout, 2.0))
-
-
-def stream_format(ws: WebSocket | Request) -> str | None:
+def stream_format(ws: WebSocket) -> str | None:
     fmt = ws.query_params.get("format", messages.DEFAULT_FORMAT)
     return fmt if fmt in messages.FORMATS else None
 
@@ -298,14 +287,10 @@ async def tts_post(request: Request, ctx: Context) -> Response:
     if not any(word.tokens for word in words):
         return JSONResponse({"error": "invalid_request", "message": "no words to say"}, status_code=422)
     try:
-        stream = open_speech(ctx)
+        stream = say(ctx, words, speech.voice(query.voice))
     except CapacityError as e:
         ctx.metrics.refused.labels("capacity").inc()
         return JSONResponse({"error": "capacity", "message": f"{NO_FREE_CHANNELS}: {e}"}, status_code=503)
-    try:
-        stream.begin(speech.voice(query.voice), speech.temperature, random.getrandbits(31))
-        stream.push(words)
-        stream.finish()
     except SessionClosed:
         return JSONResponse({"error": "engine_error", "message": "the model failed"}, status_code=500)
     ctx.metrics.sessions.labels("tts_post").inc()

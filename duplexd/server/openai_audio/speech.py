@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import random
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -26,7 +25,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from duplexd.engine.errors import CapacityError
 from duplexd.server.connection.access import key_ok
-from duplexd.server.connection.speech import open_speech, speech_of, spoken
+from duplexd.server.connection.speech import say, speech_of, spoken
 from duplexd.server.core.context import Context
 
 from .errors import ApiError
@@ -81,15 +80,12 @@ async def create_speech(request: Request, ctx: Context) -> Response:
     words = speech.words().split(query.input)
     if not any(word.tokens for word in words):
         return ApiError(400, "input: no words to say", "invalid_value", "input").response()
+    voice = query.voice if query.voice in speech.voices else None  # OpenAI's names speak in the default voice
     try:
-        stream = open_speech(ctx)
+        stream = say(ctx, words, speech.voice(voice))
     except CapacityError as e:
         ctx.metrics.refused.labels("capacity").inc()
         return ApiError(503, f"every speech slot is taken ({e}); retry shortly", "server_busy").response()
-    voice = query.voice if query.voice in speech.voices else None  # OpenAI's names speak in the default voice
-    stream.begin(speech.voice(voice), speech.temperature, random.getrandbits(31))
-    stream.push(words)
-    stream.finish()
     ctx.metrics.sessions.labels("openai_speech").inc()
     writer = audio_writer(fmt, speech.sample_rate)
 
