@@ -107,7 +107,7 @@ RULES: tuple[tuple[str, re.Pattern, re.Pattern | None], ...] = tuple(
     (cat, re.compile(path), re.compile(func) if func else None)
     for cat, path, func in (
         ("codec", r"(^|/)server/codec/|(^|/)sphn/|(^|/)ctypes/", None),
-        ("codec", r"(^|/)duplexd/wire\.py$|(^|/)server/realtime/events\.py$", r"^(pcm16|pcm16_bytes|pcm_from_pcm16)$"),
+        ("codec", r"(^|/)duplexd/wire\.py$", r"^(pcm16|pcm_from_pcm16)$"),
         (
             "framing",
             r"(^|/)(websockets|wsproto|h11|json|orjson)/|(^|/)uvicorn/protocols/|(^|/)starlette/websockets\.py$"

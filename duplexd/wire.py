@@ -101,7 +101,11 @@ def pcm_from_pcm16(raw: bytes) -> np.ndarray:
 
 def pcm16_base64(pcm: np.ndarray) -> str:
     """Float samples as the base64 pcm16 of a Realtime audio event (no newline: it goes into JSON as is)."""
-    return binascii.b2a_base64(pcm16(pcm).data, newline=False).decode("ascii")
+    return base64_text(pcm16(pcm).data)
+
+
+def base64_text(data: bytes | memoryview) -> str:
+    return binascii.b2a_base64(data, newline=False).decode("ascii")
 
 
 def pcm_from_base64(data: str) -> np.ndarray:

@@ -53,16 +53,13 @@ def test_classify_takes_the_innermost_matching_frame():
     ]
     assert ho.classify(send, "event-loop") == "framing"
     pcm16 = root + [
-        "AudioDeltas.__call__ (server/realtime/events.py:190)",
-        "encode_audio (server/realtime/events.py:97)",
-        "pcm16_bytes (server/realtime/events.py:90)",
+        "RealtimeAdapter.send_output (server/realtime/conversation.py:214)",
+        "pcm16_base64 (duplexd/wire.py:100)",
+        "pcm16 (duplexd/wire.py:82)",
     ]
     assert ho.classify(pcm16, "event-loop") == "codec"
     b64 = pcm16[:-1]  # base64 of the audio is framing: only the pcm16 conversion is the codec
     assert ho.classify(b64, "event-loop") == "framing"
-    shared = root + ["AudioDeltas.__call__ (server/realtime/events.py:190)", "pcm16_base64 (duplexd/wire.py:100)"]
-    assert ho.classify(shared, "event-loop") == "framing"  # the same split in the shared wire-format module
-    assert ho.classify(shared + ["pcm16 (duplexd/wire.py:82)"], "event-loop") == "codec"
     push = root + ["Pump.push (server/connection/pump.py:125)", "Session.push (engine/dialogue/session.py:80)"]
     assert ho.classify(push, "event-loop") == "engine"
     assert ho.classify(root + ["Pump._write (server/connection/pump.py:140)"], "event-loop") == "server"

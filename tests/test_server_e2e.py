@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import json
 import os
 import re
@@ -722,3 +723,69 @@ def test_reference_moshi_client_talks_to_the_server(server, monkeypatch):
     # the reference client ignores (logs) the metadata and handshake kinds, as it does with its own server
     assert ("warning", "unknown message kind 4") in printer.logs
     assert not [entry for entry in printer.logs if entry[0] == "error"]
+
+
+def _g711_session(server: Server, fmt: str, chunks: list[bytes]) -> tuple[list[bytes], dict]:
+    """One session through the official `openai` SDK: `fmt` in and out, `chunks` (bytes of `fmt`) appended at a
+    steady pace; returns the raw audio deltas and the session object of `session.updated`."""
+    import openai  # noqa: PLC0415 - the test extra's SDK, as in the transcription tests
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.http}/v1", api_key=KEY, websocket_base_url=server.ws("/v1"))
+        async with client.realtime.connect(model="duplexd") as conn:
+            assert (await conn.recv()).type == "session.created"
+            audio = {"format": {"type": fmt}} if fmt != "audio/pcm" else {"format": {"type": fmt, "rate": RATE}}
+            await conn.session.update(
+                session={"type": "realtime", "audio": {"input": audio, "output": audio}, "sampling": {"seed": 5}}
+            )
+            updated = json.loads(await conn.recv_bytes())
+            assert updated["type"] == "session.updated", updated
+            deltas: list[bytes] = []
+
+            async def send():
+                for chunk in chunks:
+                    await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+                    await asyncio.sleep(0.03)
+
+            sender = asyncio.create_task(send())
+            while len(deltas) < len(chunks) - 2:
+                event = json.loads(await asyncio.wait_for(conn.recv_bytes(), 20))
+                if event["type"] == "response.output_audio.delta":
+                    deltas.append(base64.b64decode(event["delta"]))
+                assert event["type"] != "error", event
+            await sender
+            return deltas, updated["session"]
+
+    return run(main())
+
+
+def test_openai_sdk_telephone_audio_matches_pcm16_of_the_same_call(server):
+    """G.711 mu-law in and out (`audio/pcmu`) through the official SDK, against a pcm16 session of the same seed
+    fed what a reference decoder (libsndfile) and soxr make of the same bytes: the model hears the same samples
+    (its answer is the same, frame for frame), and the mu-law it sends back is that answer at 8 kHz."""
+    import soundfile as sf  # noqa: PLC0415
+    import soxr  # noqa: PLC0415
+
+    frames = 10
+    speech = tone(frames, 300.0)[::3] * np.linspace(0.2, 1.0, frames * FRAME // 3, dtype=np.float32)  # 8 kHz
+    raw = io.BytesIO()
+    sf.write(raw, speech, 8000, format="RAW", subtype="ULAW")
+    ulaw = raw.getvalue()
+    heard = sf.read(io.BytesIO(ulaw), samplerate=8000, channels=1, format="RAW", subtype="ULAW", dtype="float32")[0]
+    model_rate = soxr.ResampleStream(8000, RATE, 1, dtype="float32").resample_chunk(heard)
+    pcm16 = (np.clip(model_rate, -1, 1) * 32768).round().clip(-32768, 32767).astype("<i2").tobytes()
+    telephone, session = _g711_session(server, "audio/pcmu", [ulaw[i : i + 640] for i in range(0, len(ulaw), 640)])
+    assert session["audio"]["input"]["format"] == {"type": "audio/pcmu", "rate": 8000}
+    assert session["audio"]["output"]["format"] == {"type": "audio/pcmu", "rate": 8000}
+    plain, _ = _g711_session(server, "audio/pcm", [pcm16[i : i + 2 * FRAME] for i in range(0, len(pcm16), 2 * FRAME)])
+    answer = np.frombuffer(b"".join(plain), "<i2").astype(np.float32) / 32768
+    ours = sf.read(io.BytesIO(b"".join(telephone)), samplerate=8000, channels=1, format="RAW", subtype="ULAW")[0]
+    expected = soxr.ResampleStream(RATE, 8000, 1, dtype="float32").resample_chunk(answer)
+    n = min(len(ours), len(expected))
+    assert n >= (frames - 3) * FRAME // 3 and np.abs(expected).max() > 0.01
+    # mu-law's steps are 1/16 of a segment: within 6 % of the sample (8 LSB in the first segment) of the answer
+    assert np.all(np.abs(ours[:n] - expected[:n]) <= 0.06 * np.abs(expected[:n]) + 8 / 32768)
+    # sensitive: one 80 ms frame of silence in the call changes what the model answers after it
+    muted = ulaw[:1280] + b"\xff" * 640 + ulaw[1920:]
+    changed, _ = _g711_session(server, "audio/pcmu", [muted[i : i + 640] for i in range(0, len(muted), 640)])
+    assert telephone[:2] == changed[:2] and telephone[3 : frames - 3] != changed[3 : frames - 3]

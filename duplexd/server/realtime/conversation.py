@@ -43,6 +43,7 @@ from duplexd.server.core.persona import KYUTAI, Names, Persona, PersonaRefused
 from duplexd.wire import SAMPLE_RATE
 
 from . import events as ev
+from .audio_formats import Format, InputAudio, OutputAudio
 from .items import UserItems
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class RealtimeAdapter(Adapter):
         self.session_id = ev.new_id("sess")
         self.response_id, self.item_id = ev.new_id("resp"), ev.new_id("item")
         self.audio_delta = ev.AudioDeltas(self.response_id, self.item_id)
+        self.input_audio, self.output_audio = InputAudio(), OutputAudio()  # pcm16 at 24 kHz until an update
         self.response_started = False
         # Transcription: the settings shown in the session object (None: off), the samples received before it
         # started (its event times count from there), its items by utterance number.
@@ -99,6 +101,7 @@ class RealtimeAdapter(Adapter):
             self.ctx.settings.max_session_seconds,
             self.transcription,
             (persona.text, persona.voice) if persona is not None else None,
+            (self.input_audio.format, self.output_audio.format),
         )
 
     async def on_message(self, message: dict) -> np.ndarray | None:
@@ -106,11 +109,7 @@ class RealtimeAdapter(Adapter):
         try:
             event = ev.parse_event(text)
             if isinstance(event, ev.AudioAppend):  # the hot path: 12.5 a second per session
-                pcm = ev.decode_audio(event)
-                if not self.persona_fixed:
-                    await self.fix_persona()
-                self.samples_in += len(pcm)
-                return pcm
+                return await self.take_audio(ev.decode_audio(event, self.input_audio))
             if isinstance(event, ev.SessionUpdate):
                 await self.update_session(event)
             else:
@@ -123,6 +122,13 @@ class RealtimeAdapter(Adapter):
             await self.send_text(e.event())
         return None
 
+    async def take_audio(self, pcm: np.ndarray) -> np.ndarray:
+        """The user's audio, about to be pushed: the first fixes the persona (its prompt runs before it)."""
+        if not self.persona_fixed:
+            await self.fix_persona()
+        self.samples_in += len(pcm)
+        return pcm
+
     async def update_session(self, event: ev.SessionUpdate) -> None:
         """Apply an update whole or not at all: a refused value or an unavailable transcriber changes nothing."""
         pump = self.pump
@@ -133,9 +139,17 @@ class RealtimeAdapter(Adapter):
         if transcription is not None:
             self.set_transcription(pump, event, *transcription)
         self.persona = persona
+        self.set_formats(*event.formats())
         if params != pump.session.params:
             pump.session.update_params(params)
         await self.send_text(ev.session_updated(self.session_object(params)))
+
+    def set_formats(self, input_format: Format | None, output_format: Format | None) -> None:
+        """New codecs for the formats that change (a resampler restarts only when its format does)."""
+        if input_format is not None and input_format != self.input_audio.format:
+            self.input_audio = InputAudio(input_format)
+        if output_format is not None and output_format != self.output_audio.format:
+            self.output_audio = OutputAudio(output_format)
 
     def persona_update(self, event: ev.SessionUpdate) -> Persona | None:
         """The persona after `event`; `RealtimeError` when it asks for one this session cannot have: a bad text or
@@ -211,7 +225,7 @@ class RealtimeAdapter(Adapter):
         if not self.response_started:
             self.response_started = True
             messages.append(ev.response_created(self.response_id))
-        messages.append(self.audio_delta(out.pcm))
+        messages.append(self.audio_delta(self.output_audio.base64(out.pcm)))
         if out.text:
             messages.append(ev.transcript_delta(self.response_id, self.item_id, out.text))
         async with self.send_lock:

@@ -34,7 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from duplexd import wire
 from duplexd.engine.dialogue.sampling import MAX_REPETITION_CONTEXT, SamplingParams
 from duplexd.engine.transcription.transcriber import instruction
+from duplexd.server.codec import g711
 from duplexd.server.connection.closing import Close, CloseCode
+
+from .audio_formats import BETA_NAMES, PCM, Format, InputAudio
 
 SUBPROTOCOL = "realtime"
 SAMPLE_RATE = wire.SAMPLE_RATE
@@ -78,11 +81,21 @@ class SamplingUpdate(BaseModel):
         return dataclasses.replace(params, **self.model_dump(exclude_none=True))
 
 
-class AudioFormat(BaseModel):
-    """GA `session.audio.*.format`: only what the model speaks (fields the API adds are ignored)."""
+class PcmFormat(BaseModel):
+    """GA `session.audio.*.format` of the model's own audio (fields the API adds are ignored)."""
 
     type: Literal["audio/pcm"]
     rate: Literal[24000] = 24000  # wire.SAMPLE_RATE, spelt out: a Literal takes no names
+
+
+class TelephoneFormat(BaseModel):
+    """G.711 at 8 kHz (`audio_formats` resamples it)."""
+
+    type: Literal["audio/pcmu", "audio/pcma"]
+
+
+AudioFormat = Annotated[PcmFormat | TelephoneFormat, Field(discriminator="type")]
+BetaFormat = Literal["pcm16", "g711_ulaw", "g711_alaw"]
 
 
 class TranscriptionSettings(BaseModel):
@@ -118,8 +131,8 @@ class SessionPatch(BaseModel):
     audio: SessionAudio | None = None
     instructions: Any = None
     voice: Any = None
-    input_audio_format: Literal["pcm16"] | None = None  # beta names
-    output_audio_format: Literal["pcm16"] | None = None
+    input_audio_format: BetaFormat | None = None  # beta names
+    output_audio_format: BetaFormat | None = None
     sampling: SamplingUpdate | None = None
     input_audio_transcription: TranscriptionSettings | None = None  # beta name of audio.input.transcription
 
@@ -149,6 +162,20 @@ class SessionUpdate(ClientEvent):
             raise RealtimeError(
                 "invalid_value", f"bad session.sampling: {e}", self.event_id, "session.sampling"
             ) from None
+
+    def formats(self) -> tuple[Format | None, Format | None]:
+        """The input and output audio formats this update sets (None: left as they are); the GA place wins."""
+        patch = self.session
+        sides: tuple[AudioSide | None, AudioSide | None] = (
+            (patch.audio.input, patch.audio.output) if patch.audio is not None else (None, None)
+        )
+        chosen: list[Format | None] = []
+        for side, beta in zip(sides, (patch.input_audio_format, patch.output_audio_format), strict=True):
+            if side is not None and side.format is not None:
+                chosen.append(side.format.type)
+            else:
+                chosen.append(BETA_NAMES[beta] if beta is not None else None)
+        return chosen[0], chosen[1]
 
     def transcription(self) -> tuple[str, TranscriptionSettings | None] | None:
         """The transcription this update asks for, with the param it was given as: settings, or None to turn it
@@ -229,25 +256,14 @@ def parse_event(text: str) -> AudioAppend | SessionUpdate | TurnEvent:
         raise refusal(e, text) from None
 
 
-def decode_audio(event: AudioAppend) -> np.ndarray:
-    """The float32 samples of an `input_audio_buffer.append`; `Close` (1007) for bad base64 or pcm16."""
+def decode_audio(event: AudioAppend, audio: InputAudio | None = None) -> np.ndarray:
+    """The float32 samples at the model's rate of an `input_audio_buffer.append` in the session's input format
+    (`audio`; pcm16 when None); `Close` (1007) for bad base64 or pcm16."""
     try:
         raw = base64.b64decode(event.audio, validate=True)
     except (binascii.Error, ValueError) as e:
         raise Close(CloseCode.INVALID_PAYLOAD, "invalid_base64", f"'audio' is not valid base64: {e}") from None
-    if len(raw) % 2:
-        raise Close(CloseCode.INVALID_PAYLOAD, "invalid_audio", "pcm16 audio must have an even number of bytes")
-    return pcm_from_pcm16(raw)
-
-
-def pcm_from_pcm16(raw: bytes) -> np.ndarray:
-    """pcm16 little-endian as float32 samples in [-1, 1), one array."""
-    return wire.pcm_from_pcm16(raw)
-
-
-def pcm16_bytes(pcm: np.ndarray) -> np.ndarray:
-    """Float samples as pcm16 little-endian (clipped, rounded)."""
-    return wire.pcm16(pcm)
+    return (audio or InputAudio()).decode(raw)
 
 
 def encode_audio(pcm: np.ndarray) -> str:
@@ -262,7 +278,7 @@ def refusal(e: ValidationError, text: str) -> Close | RealtimeError:
         return Close(CloseCode.INVALID_PAYLOAD, "invalid_json", f"malformed JSON: {err['ctx']['error']}")
     raw = json.loads(text)  # valid JSON (checked above); only for the type and event_id pydantic could not give
     given = raw.get("type") if isinstance(raw, dict) else None
-    if kind == "union_tag_invalid" and isinstance(given, str):
+    if kind == "union_tag_invalid" and not loc and isinstance(given, str):
         return Close(CloseCode.PROTOCOL_ERROR, "unknown_event", f"unknown event type {given!r}")
     if not loc or not isinstance(given, str):
         return Close(CloseCode.INVALID_PAYLOAD, "invalid_event", "an event must be a JSON object with a string 'type'")
@@ -276,10 +292,15 @@ def refusal(e: ValidationError, text: str) -> Close | RealtimeError:
         return RealtimeError("invalid_value", f"{given} needs a 'session' object", event_id, "session")
     if path[:2] == ("session", "audio") and path[3:4] == ("format",):
         return RealtimeError(
-            "unsupported_audio_format", f"only audio/pcm at {SAMPLE_RATE} Hz is supported", event_id, ".".join(path[:4])
+            "unsupported_audio_format",
+            f"the formats are audio/pcm at {SAMPLE_RATE} Hz, audio/pcmu and audio/pcma",
+            event_id,
+            ".".join(path[:4]),
         )
     if path[1:2] in (("input_audio_format",), ("output_audio_format",)):
-        return RealtimeError("unsupported_audio_format", "only pcm16 is supported", event_id, ".".join(path[:2]))
+        return RealtimeError(
+            "unsupported_audio_format", "the formats are pcm16, g711_ulaw and g711_alaw", event_id, ".".join(path[:2])
+        )
     if path[:4] == ("session", "audio", "input", "transcription"):  # GA: name the field, as for sampling
         where, field = TRANSCRIPTION_PARAM, ".".join(path[4:])
         message = f"bad {where}: {field}: {err['msg']}" if field else f"bad {where}: {err['msg']}"
@@ -309,11 +330,11 @@ def session_object(
     max_seconds: float,
     transcription: dict[str, Any] | None = None,
     persona: tuple[str, str] | None = None,
+    formats: tuple[Format, Format] = (PCM, PCM),
 ) -> dict[str, Any]:
     """The session as the client sees it; `persona` (role text, voice) only where one applies (a PersonaPlex
     model with voices): a model that takes none shows no `instructions` or `voice`."""
-    fmt = {"type": "audio/pcm", "rate": SAMPLE_RATE}
-    output: dict[str, Any] = {"format": fmt}
+    output: dict[str, Any] = {"format": format_object(formats[1])}
     extra: dict[str, Any] = {}
     if persona is not None:
         extra = {"instructions": persona[0], "voice": persona[1]}
@@ -325,7 +346,7 @@ def session_object(
         "model": model,
         "output_modalities": ["audio"],
         "audio": {
-            "input": {"format": fmt, "turn_detection": None, "transcription": transcription},
+            "input": {"format": format_object(formats[0]), "turn_detection": None, "transcription": transcription},
             "output": output,
         },
         **extra,
@@ -342,6 +363,10 @@ def session_object(
         },
         "max_session_seconds": max_seconds,
     }
+
+
+def format_object(fmt: Format) -> dict[str, Any]:
+    return {"type": fmt, "rate": SAMPLE_RATE if fmt == PCM else g711.RATE}
 
 
 def session_created(session: dict[str, Any]) -> str:
@@ -376,12 +401,13 @@ class AudioDeltas:
         )[1:-1]
         self._head, self._middle = head, '",' + tail + ',"delta":"'
 
-    def __call__(self, pcm: np.ndarray) -> str:
-        return f'{self._head}{event_id()}{self._middle}{encode_audio(pcm)}"}}'
+    def __call__(self, audio: str) -> str:
+        """The event carrying `audio` (base64 in the session's output format)."""
+        return f'{self._head}{event_id()}{self._middle}{audio}"}}'
 
 
 def audio_delta(response_id: str, item_id: str, pcm: np.ndarray) -> str:
-    return AudioDeltas(response_id, item_id)(pcm)
+    return AudioDeltas(response_id, item_id)(encode_audio(pcm))
 
 
 def transcript_delta(response_id: str, item_id: str, text: str) -> str:

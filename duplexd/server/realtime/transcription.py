@@ -37,6 +37,7 @@ from duplexd.server.stt.turns import Turns
 
 from . import events as ev
 from . import transcription_events as tev
+from .audio_formats import InputAudio
 from .items import UserItems
 
 logger = logging.getLogger(__name__)
@@ -85,9 +86,12 @@ class TranscriptionAdapter(Adapter):
         self.client_samples = 0  # of audio appended by the client
         self.committed_samples = 0  # of those, up to the last commit (or clear)
         self.feeder: Feeder | None = None  # once admitted
+        self.input_audio = InputAudio()  # pcm16 at 24 kHz until an update
 
     def session_object(self) -> dict:
-        return tev.session_object(self.session_id, self.ctx.runtime.info.id, self.transcription, self.turn_detection)
+        return tev.session_object(
+            self.session_id, self.ctx.runtime.info.id, self.transcription, self.turn_detection, self.input_audio.format
+        )
 
     def event_name(self, beta: bool, what: str) -> str:
         return f"transcription_session.{what}" if beta else f"session.{what}"
@@ -101,7 +105,7 @@ class TranscriptionAdapter(Adapter):
         try:
             event = tev.parse_event(text)
             if isinstance(event, ev.AudioAppend):
-                pcm = ev.decode_audio(event)
+                pcm = ev.decode_audio(event, self.input_audio)
                 self.client_samples += len(pcm)
                 await self.feed(pcm)
             elif isinstance(event, tev.SessionUpdate | tev.TranscriptionSessionUpdate):
@@ -126,6 +130,8 @@ class TranscriptionAdapter(Adapter):
         settings = event.settings()
         if "transcription" in settings.given:
             self.transcription = settings.transcription or ev.TranscriptionSettings()
+        if settings.input_format is not None and settings.input_format != self.input_audio.format:
+            self.input_audio = InputAudio(settings.input_format)
         if "turn_detection" in settings.given:
             self.turn_detection = settings.turn_detection
             self.turns.detection = self.turn_detection.detection() if self.turn_detection is not None else None

@@ -20,9 +20,20 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from duplexd.server.stt.turns import TurnDetection
-from duplexd.wire import SAMPLE_RATE
 
-from .events import AudioAppend, AudioFormat, ClientEvent, RealtimeError, TranscriptionSettings, refusal
+from .audio_formats import BETA_NAMES, PCM, Format
+from .events import (
+    AudioAppend,
+    AudioFormat,
+    BetaFormat,
+    ClientEvent,
+    RealtimeError,
+    TranscriptionSettings,
+    format_object,
+    refusal,
+)
+
+BETA_FORMAT_NAMES = {fmt: beta for beta, fmt in BETA_NAMES.items()}
 
 INTENT = "transcription"  # the `intent` query parameter that asks for such a session
 SEMANTIC_SILENCE_S = {"high": 1.0, "medium": 2.0, "auto": 2.0, "low": 3.0}  # Kyutai's own end of turn: 2 s
@@ -90,6 +101,7 @@ class Settings(BaseModel):
     transcription: TranscriptionSettings | None = None
     turn_detection: TurnDetectionSettings | None = None
     given: frozenset[str] = frozenset()  # of "transcription", "turn_detection"
+    input_format: Format | None = None
 
 
 class GaSession(BaseModel):
@@ -102,11 +114,14 @@ class GaSession(BaseModel):
         if side is None:
             return Settings()
         given = frozenset(side.model_fields_set & {"transcription", "turn_detection"})
-        return Settings(transcription=side.transcription, turn_detection=side.turn_detection, given=given)
+        fmt = side.format.type if side.format is not None else None
+        return Settings(
+            transcription=side.transcription, turn_detection=side.turn_detection, given=given, input_format=fmt
+        )
 
 
 class BetaSession(BaseModel):
-    input_audio_format: Literal["pcm16"] | None = None
+    input_audio_format: BetaFormat | None = None
     input_audio_transcription: TranscriptionSettings | None = None
     turn_detection: TurnDetectionSettings | None = None
     input_audio_noise_reduction: Any = None
@@ -115,8 +130,12 @@ class BetaSession(BaseModel):
     def settings(self) -> Settings:
         given = {"transcription"} if "input_audio_transcription" in self.model_fields_set else set()
         given |= {"turn_detection"} & self.model_fields_set
+        fmt = BETA_NAMES[self.input_audio_format] if self.input_audio_format is not None else None
         return Settings(
-            transcription=self.input_audio_transcription, turn_detection=self.turn_detection, given=frozenset(given)
+            transcription=self.input_audio_transcription,
+            turn_detection=self.turn_detection,
+            given=frozenset(given),
+            input_format=fmt,
         )
 
 
@@ -169,7 +188,11 @@ def parse_event(text: str) -> Event:
 
 
 def session_object(
-    session_id: str, model: str, transcription: TranscriptionSettings, turn_detection: TurnDetectionSettings | None
+    session_id: str,
+    model: str,
+    transcription: TranscriptionSettings,
+    turn_detection: TurnDetectionSettings | None,
+    input_format: Format = PCM,
 ) -> dict[str, Any]:
     """The session as the client sees it, under the GA names and the beta ones."""
     shown = {"model": model, "language": transcription.language, "prompt": transcription.prompt}
@@ -180,14 +203,14 @@ def session_object(
         "type": "transcription",
         "audio": {
             "input": {
-                "format": {"type": "audio/pcm", "rate": SAMPLE_RATE},
+                "format": format_object(input_format),
                 "transcription": shown,
                 "turn_detection": detection,
                 "noise_reduction": None,
             }
         },
         "include": None,
-        "input_audio_format": "pcm16",  # the beta names
+        "input_audio_format": BETA_FORMAT_NAMES[input_format],  # the beta names
         "input_audio_transcription": shown,
         "turn_detection": detection,
         "input_audio_noise_reduction": None,
