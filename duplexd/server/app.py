@@ -8,7 +8,9 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
 
 from . import routes
 from .codec.batches import CodecBatches
@@ -23,7 +25,9 @@ from .core.version import VERSION
 from .kyutai import chat, stt_refusal
 from .moshi_server import asr, asr_upload, tts
 from .openai_audio import speech, transcriptions
+from .openai_audio.errors import ApiError
 from .realtime import conversation, transcription
+from .webrtc import calls
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,11 @@ async def _warm_up(runtime: Runtime) -> None:
         logger.exception("engine warm-up failed; /health reports 503")
         return
     logger.info("ready: accepting sessions (%d slots)", runtime.capacity())
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return exc.response()
 
 
 def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
@@ -67,6 +76,15 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
 
     app = FastAPI(title="duplexd", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.context = ServerContext(settings, runtime, metrics, drain, codec)
+    app.add_exception_handler(ApiError, _api_error)  # OpenAI's JSON error shape
+    app.add_middleware(
+        CORSMiddleware,  # web apps on other origins call the HTTP API (the WebRTC routes above all)
+        allow_origins=settings.allowed_origins or ["*"],
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["authorization", "content-type", "x-openai-agents-sdk", "openai-beta", "x-api-key"],
+        expose_headers=["Location"],
+        max_age=600,
+    )
     app.include_router(routes.router)
     app.include_router(transcriptions.router)
     if runtime.info.speech_to_text:  # moshi-server's /api/asr-streaming and transcription sessions
@@ -77,6 +95,7 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     else:
         app.include_router(chat.router)
         app.include_router(conversation.router)
+        app.include_router(calls.router)
     if runtime.speech is not None:  # --tts: moshi-server's /api/tts_streaming and OpenAI's speech endpoint
         app.include_router(tts.router)
         app.include_router(speech.router)

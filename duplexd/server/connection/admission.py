@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from starlette.websockets import WebSocket
+
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError
 from duplexd.server.core.context import ServerContext
@@ -23,16 +25,18 @@ logger = logging.getLogger(__name__)
 
 async def serve(
     ctx: ServerContext,
+    ws: WebSocket,
     adapter: Adapter,
     subprotocol: str | None,
     parameters: Callable[[], tuple[SamplingParams, int | None]],
     admitted: Callable[[Pump], Awaitable[None]],
 ) -> None:
-    """Accept, admit and pump one connection; `admitted` sends the protocol's greeting (handshake, session)."""
-    ws, metrics = adapter.ws, ctx.metrics
+    """Accept, admit and pump one connection (`adapter` speaks on `ws`); `admitted` sends the protocol's greeting
+    (handshake, session)."""
+    metrics = ctx.metrics
     await ws.accept(subprotocol=subprotocol)
     try:
-        denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)
+        denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins, ctx.client_secrets)
         if denied:
             metrics.refused.labels(denied[0]).inc()
             raise Close(CloseCode.POLICY_VIOLATION, *denied)

@@ -22,10 +22,12 @@ import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketState
+from starlette.datastructures import Headers, QueryParams
+from starlette.types import Message
+from starlette.websockets import WebSocketState
 
 from duplexd.engine.dialogue.session import Session, SessionOutput
 from duplexd.engine.errors import CapacityError, SessionClosed
@@ -53,12 +55,30 @@ class Limits:
     idle_after_answers: bool = False
 
 
+class Socket(Protocol):
+    """What a session's pump and adapter use of their connection: a Starlette `WebSocket`, or a WebRTC call's
+    `oai-events` data channel standing in for one (`server/webrtc/channel.py`)."""
+
+    @property
+    def query_params(self) -> QueryParams: ...
+    @property
+    def headers(self) -> Headers: ...
+    @property
+    def client_state(self) -> WebSocketState: ...
+    @property
+    def application_state(self) -> WebSocketState: ...
+    async def receive(self) -> Message: ...
+    async def send_text(self, data: str) -> None: ...
+    async def send_bytes(self, data: bytes) -> None: ...
+    async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
+
+
 class Adapter(ABC):
     """A wire protocol: turns client messages into audio and engine outputs into messages."""
 
     name: str
 
-    def __init__(self, ws: WebSocket) -> None:
+    def __init__(self, ws: Socket) -> None:
         self.ws = ws
         self.send_lock = asyncio.Lock()  # sends come from both tasks; keep each message whole and in order
 
@@ -92,7 +112,7 @@ class Adapter(ABC):
             await self.ws.send_text(data)
 
 
-async def receive(ws: WebSocket, timeout: float | None = None) -> dict:
+async def receive(ws: Socket, timeout: float | None = None) -> dict:
     """The next client message; `Disconnected` when the client has gone, `TimeoutError` after `timeout` (None, as
     the pump calls it: no timer, its watchdog keeps the idle timeout)."""
     try:
@@ -176,7 +196,9 @@ class Pump:
                 self.push(pcm)
 
     def push(self, pcm: np.ndarray) -> None:
-        """Queue audio (frames over the inbox bound are dropped and counted by the engine's drop events)."""
+        """Queue audio (frames over the inbox bound are dropped and counted by the engine's drop events). Audio
+        keeps the session from idling, whether it came in a message or on a call's media track."""
+        self._last_message = time.monotonic()
         with contextlib.suppress(SessionClosed):  # the writer sees the end and reports it
             self.session.push(pcm)
         if self.transcript is not None:
@@ -323,7 +345,7 @@ async def close_connection(adapter: Adapter, close: Close, timeout: float) -> No
         await _close_frame(adapter.ws, close, timeout)
 
 
-async def close_socket(ws: WebSocket, close: Close, timeout: float) -> None:
+async def close_socket(ws: Socket, close: Close, timeout: float) -> None:
     """The close frame alone (no error message), the same way."""
     if not connected(ws):
         return
@@ -331,9 +353,9 @@ async def close_socket(ws: WebSocket, close: Close, timeout: float) -> None:
         await _close_frame(ws, close, timeout)
 
 
-def connected(ws: WebSocket) -> bool:
+def connected(ws: Socket) -> bool:
     return ws.client_state == WebSocketState.CONNECTED and ws.application_state == WebSocketState.CONNECTED
 
 
-async def _close_frame(ws: WebSocket, close: Close, timeout: float) -> None:
+async def _close_frame(ws: Socket, close: Close, timeout: float) -> None:
     await asyncio.wait_for(ws.close(close.code, close.reason), min(timeout, 2.0))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
 from duplexd.server.codec.batches import CodecBatches
+from duplexd.server.connection.client_secrets import ClientSecrets
 from duplexd.server.connection.pump import Limits
 
 from .drain import Drain
@@ -25,6 +26,8 @@ class ServerContext:
     metrics: Metrics
     drain: Drain = field(default_factory=Drain)
     codec: CodecBatches = field(default_factory=CodecBatches)
+    client_secrets: ClientSecrets = field(default_factory=ClientSecrets)  # the ek_ keys minted by this process
+    calls: dict[str, Any] = field(default_factory=dict)  # the WebRTC calls in progress, by id (server/webrtc)
 
     @property
     def limits(self) -> Limits:

@@ -47,6 +47,7 @@ def opt(
 _NET, _MODEL, _CAP, _ACCESS = "network", "model (default: the demo model, on the CPU)", "capacity and limits", "access"
 _ASR = "transcription of the users' speech (Gemma 4; needs the gemma extra)"
 _TTS = "text to speech (a Kyutai TTS model beside the main one: /api/tts_streaming, /v1/audio/speech)"
+_RTC = "WebRTC calls of the Realtime API (/v1/realtime/calls; needs the webrtc extra)"
 
 
 class ServerSettings(BaseSettings):
@@ -240,6 +241,37 @@ class ServerSettings(BaseSettings):
     allowed_origins: Annotated[list[str], NoDecode] = opt(
         [], "comma-separated browser origins allowed to connect (default: any)", _ACCESS, metavar="ORIGINS"
     )
+    client_secret_seconds: float = opt(
+        600.0, "default lifetime of an ephemeral ek_ key (POST /v1/realtime/client_secrets)", _ACCESS, gt=0, le=7200
+    )
+    webrtc_hosts: Annotated[list[str], NoDecode] = opt(
+        [],
+        "comma-separated addresses offered as host candidates: this machine's public or NAT-mapped ones (default: "
+        "every address of its interfaces but loopback)",
+        _RTC,
+        metavar="ADDRS",
+    )
+    webrtc_ice_servers: Annotated[list[str], NoDecode] = opt(
+        [],
+        "comma-separated STUN/TURN URLs the server gathers through, a TURN one as turn:USER:PASSWORD@HOST:PORT "
+        "(default: none, host candidates only)",
+        _RTC,
+        metavar="URLS",
+    )
+    webrtc_jitter_frames: int = opt(
+        2,
+        "20 ms frames the call's receive jitter buffer holds before playing (aiortc's default 4 adds 60 ms)",
+        _RTC,
+        metavar="N",
+        ge=0,
+        le=8,
+    )
+    webrtc_connect_timeout: float = opt(
+        20.0,
+        "end a call that has not connected (ICE, DTLS, the oai-events channel) this many seconds after its offer",
+        _RTC,
+        gt=0,
+    )
     static: str = opt("auto", "serve DIR at / (auto: the bundled web client; none: nothing)", metavar="DIR")
     instance_name: str = opt("duplexd", "name announced in the Kyutai metadata message")
     log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
@@ -273,7 +305,7 @@ class ServerSettings(BaseSettings):
             return env_name(field)
         return option_name(field)
 
-    @field_validator("devices", "allowed_origins", mode="before")
+    @field_validator("devices", "allowed_origins", "webrtc_hosts", "webrtc_ice_servers", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):

@@ -179,6 +179,6 @@ async def chat(ws: WebSocket, ctx: Context) -> None:
             await adapter.send_bytes(messages.transcription_unavailable(unavailable))
 
     try:
-        await serve(ctx, adapter, None, adapter.parameters, greet)
+        await serve(ctx, ws, adapter, None, adapter.parameters, greet)
     finally:
         ctx.codec.release(adapter.decoder, adapter.encoder)

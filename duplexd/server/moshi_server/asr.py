@@ -98,6 +98,6 @@ async def asr_streaming(ws: WebSocket, ctx: Context) -> None:
         await adapter.send_ready()
 
     try:
-        await serve(ctx, adapter, None, asr_parameters, greet)
+        await serve(ctx, ws, adapter, None, asr_parameters, greet)
     finally:
         adapter.release()

@@ -25,6 +25,7 @@ gets a non-fatal `transcription_unavailable` and the conversation goes on untran
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
@@ -33,10 +34,10 @@ from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.engine.errors import CapacityError, SessionClosed
 from duplexd.engine.transcription.service import TranscriptEvent
-from duplexd.server.connection.access import offered_subprotocols
+from duplexd.server.connection.access import offered_subprotocols, presented_key
 from duplexd.server.connection.admission import serve
 from duplexd.server.connection.closing import Close, CloseCode
-from duplexd.server.connection.pump import Adapter, Pump, text_frame
+from duplexd.server.connection.pump import Adapter, Pump, Socket, text_frame
 from duplexd.server.connection.query import BadQuery, sampling_from_query
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.core.persona import KYUTAI, Names, Persona, PersonaRefused
@@ -58,7 +59,7 @@ NO_TRANSCRIPTION_SESSIONS = (
 class RealtimeAdapter(Adapter):
     name = "realtime"
 
-    def __init__(self, ws: WebSocket, ctx: ServerContext) -> None:
+    def __init__(self, ws: Socket, ctx: ServerContext) -> None:
         super().__init__(ws)
         self.ctx = ctx
         self.pump: Pump | None = None
@@ -130,7 +131,12 @@ class RealtimeAdapter(Adapter):
         return pcm
 
     async def update_session(self, event: ev.SessionUpdate) -> None:
-        """Apply an update whole or not at all: a refused value or an unavailable transcriber changes nothing."""
+        params = self.apply_update(event)
+        await self.send_text(ev.session_updated(self.session_object(params)))
+
+    def apply_update(self, event: ev.SessionUpdate) -> SamplingParams:
+        """Apply an update whole or not at all: a refused value or an unavailable transcriber changes nothing.
+        Returns the sampling now in force."""
         pump = self.pump
         assert pump is not None
         params = event.sampling(pump.session.params)
@@ -142,7 +148,18 @@ class RealtimeAdapter(Adapter):
         self.set_formats(*event.formats())
         if params != pump.session.params:
             pump.session.update_params(params)
-        await self.send_text(ev.session_updated(self.session_object(params)))
+        return params
+
+    async def start(self, pump: Pump, session: dict[str, Any] | None) -> None:
+        """The greeting: `session` (the configuration an ephemeral key or a call's offer carried) applied first, as
+        a `session.update` would be (a refused part is told as a non-fatal error), then `session.created`."""
+        self.pump = pump
+        if session:
+            try:
+                self.apply_update(ev.parse_session(session))
+            except ev.RealtimeError as e:
+                await self.send_text(e.event())
+        await self.send_text(ev.session_created(self.session_object(pump.session.params)))
 
     def set_formats(self, input_format: Format | None, output_format: Format | None) -> None:
         """New codecs for the formats that change (a resampler restarts only when its format does)."""
@@ -282,7 +299,7 @@ async def realtime(ws: WebSocket, ctx: Context) -> None:
     subprotocol = ev.SUBPROTOCOL if ev.SUBPROTOCOL in offered_subprotocols(ws) else None
 
     async def greet(pump: Pump) -> None:
-        adapter.pump = pump
-        await adapter.send_text(ev.session_created(adapter.session_object(pump.session.params)))
+        key = ctx.client_secrets.get(presented_key(ws))
+        await adapter.start(pump, key.session if key is not None else None)
 
-    await serve(ctx, adapter, subprotocol, adapter.parameters, greet)
+    await serve(ctx, ws, adapter, subprotocol, adapter.parameters, greet)

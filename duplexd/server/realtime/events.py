@@ -256,6 +256,17 @@ def parse_event(text: str) -> AudioAppend | SessionUpdate | TurnEvent:
         raise refusal(e, text) from None
 
 
+def parse_session(session: dict[str, Any]) -> SessionUpdate:
+    """A configuration given outside an event (an ephemeral key's, a call's) as the `session.update` it means;
+    `RealtimeError` naming what is wrong in it."""
+    try:
+        event = parse_event(json.dumps({"type": "session.update", "session": session}))
+    except Close as e:
+        raise RealtimeError("invalid_value", e.message, None, "session") from None
+    assert isinstance(event, SessionUpdate)
+    return event
+
+
 def decode_audio(event: AudioAppend, audio: InputAudio | None = None) -> np.ndarray:
     """The float32 samples at the model's rate of an `input_audio_buffer.append` in the session's input format
     (`audio`; pcm16 when None); `Close` (1007) for bad base64 or pcm16."""

@@ -194,7 +194,7 @@ async def transcription_session(ws: WebSocket, ctx: Context) -> None:
         return
     adapter = TranscriptionAdapter(ws, ctx)
     subprotocol = ev.SUBPROTOCOL if ev.SUBPROTOCOL in offered_subprotocols(ws) else None
-    await serve(ctx, adapter, subprotocol, asr_parameters, adapter.greet)
+    await serve(ctx, ws, adapter, subprotocol, asr_parameters, adapter.greet)
 
 
 async def refuse_conversation(ws: WebSocket) -> None:

@@ -1,0 +1,234 @@
+"""One WebRTC call of the Realtime API: its peer connection, its session and the adapter that serves it.
+
+The call is admitted before it is answered (a full or draining server answers the POST with an error, not with a
+call that never speaks), then runs as a WebSocket session does, through the same pump and the same event
+handlers (`RealtimeAdapter`), with three differences: events ride the `oai-events` data channel, the caller's
+audio arrives on the media track instead of `input_audio_buffer.append`, and the model's speech goes out on the
+outgoing track (`response.output_audio.delta` is not sent; `output_audio_buffer.started` / `.cleared` are).
+
+A call that has not opened its data channel `--webrtc-connect-timeout` seconds after its offer is ended: a client
+that gives up while connecting never hangs up. A server hang-up (`/hangup`, the drain, an error) sends its last
+event (`error` naming why) and waits for it to leave before closing the connection: the browser notices a silent
+peer only seconds later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+import numpy as np
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
+
+from duplexd.engine.dialogue.session import Session, SessionOutput
+from duplexd.server.connection.closing import Close, CloseCode
+from duplexd.server.connection.pump import Pump
+from duplexd.server.core.context import ServerContext
+from duplexd.server.realtime import events as ev
+from duplexd.server.realtime.conversation import RealtimeAdapter
+
+from . import stack
+from .channel import ChannelSocket
+from .tracks import RATE, HeardAudio, SpeechTrack
+
+logger = logging.getLogger(__name__)
+
+AUDIO_GATE_SECONDS = 1.0  # audio waits this long after the channel opens for the client's first session.update
+LAST_EVENT_SECONDS = 1.0
+
+
+class BadOffer(ValueError):
+    """The SDP offer cannot make a call (unparsable, or no audio to answer)."""
+
+
+class CallAdapter(RealtimeAdapter):
+    name = "webrtc"
+
+    def __init__(self, socket: ChannelSocket, ctx: ServerContext, track: SpeechTrack) -> None:
+        super().__init__(socket, ctx)
+        self.track = track
+        self.transcript = ""  # the assistant item's text so far (conversation.item.retrieve)
+        self.audio_open = asyncio.Event()  # the caller's audio is taken once its first event is handled
+
+    async def on_message(self, message: dict) -> np.ndarray | None:
+        text = message.get("text")
+        kind = _event_type(text) if text is not None else None
+        if kind == "output_audio_buffer.clear":
+            await self.clear_output(json.loads(text or "{}").get("event_id"))
+            pcm = None
+        elif kind == "conversation.item.retrieve":
+            await self.send_text(self.retrieved(json.loads(text or "{}")))
+            pcm = None
+        else:
+            pcm = await super().on_message(message)
+        self.audio_open.set()
+        return pcm
+
+    async def clear_output(self, event_id: str | None) -> None:
+        """`output_audio_buffer.clear`: the speech not sent yet is dropped; the assistant's item is truncated to
+        what went out (the server knows it: the client cannot, over WebRTC)."""
+        self.track.clear()
+        played_ms = round(self.track.played * 1000 / RATE)
+        await self.send_text(ev.server_event("output_audio_buffer.cleared", response_id=self.response_id))
+        await self.send_text(
+            ev.server_event(
+                "conversation.item.truncated", item_id=self.item_id, content_index=0, audio_end_ms=played_ms
+            )
+        )
+
+    def retrieved(self, event: dict) -> str:
+        item_id = event.get("item_id")
+        if item_id != self.item_id:
+            return ev.error_event(
+                "item_not_found",
+                f"no item {item_id!r} in this session",
+                event_id=event.get("event_id"),
+                param="item_id",
+            )
+        item = {
+            "id": self.item_id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [{"type": "output_audio", "transcript": self.transcript}],
+        }
+        return ev.server_event("conversation.item.retrieved", item=item)
+
+    async def send_output(self, out: SessionOutput) -> None:
+        messages = []
+        if not self.response_started:
+            self.response_started = True
+            messages += [
+                ev.response_created(self.response_id),
+                ev.server_event("output_audio_buffer.started", response_id=self.response_id),
+            ]
+        self.track.play(out.pcm)
+        if out.text:
+            self.transcript += out.text
+            messages.append(ev.transcript_delta(self.response_id, self.item_id, out.text))
+        for message in messages:
+            await self.send_text(message)
+
+
+def _event_type(text: str) -> str | None:
+    """The type of a client event that only a call handles, read cheaply (the rest go to the shared parser)."""
+    if '"output_audio_buffer.clear"' not in text and '"conversation.item.retrieve"' not in text:
+        return None
+    with contextlib.suppress(ValueError, AttributeError):
+        kind = json.loads(text).get("type")
+        return kind if isinstance(kind, str) else None
+    return None
+
+
+class Call:
+    """A call from its offer to its end; `run` is its task."""
+
+    def __init__(self, call_id: str, ctx: ServerContext, session: Session, config: dict[str, Any] | None) -> None:
+        settings = ctx.settings
+        stack.tune(settings.webrtc_jitter_frames, tuple(settings.webrtc_hosts))
+        self.id, self.ctx, self.session, self.config = call_id, ctx, session, config
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=stack.ice_servers(settings.webrtc_ice_servers)))
+        self.track = SpeechTrack()
+        self.socket = ChannelSocket(self.hang_up)
+        self.adapter = CallAdapter(self.socket, ctx, self.track)
+        self.pump: Pump | None = None
+        self.task: asyncio.Task | None = None  # `run`, held here while the call is in `ServerContext.calls`
+        self._remote: Any = None  # the caller's audio track
+        self._closed = False
+
+        @self.pc.on("datachannel")
+        def on_datachannel(channel: Any) -> None:
+            if channel.label == "oai-events" and self.socket.client_state.name == "CONNECTING":
+                self.socket.attach(channel)
+
+        @self.pc.on("track")
+        def on_track(track: Any) -> None:
+            if track.kind == "audio" and self._remote is None:
+                self._remote = track
+
+        @self.pc.on("connectionstatechange")
+        async def on_state() -> None:
+            if self.pc.connectionState in ("failed", "closed"):
+                self.socket.gone(f"the peer connection {self.pc.connectionState}")
+
+    async def answer(self, offer: str) -> str:
+        """The SDP answer to `offer`; `BadOffer` when it cannot make a call."""
+        try:
+            await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer, type="offer"))
+        except (ValueError, KeyError, IndexError) as e:
+            raise BadOffer(f"the SDP offer could not be read: {e}") from None
+        audio = [t for t in self.pc.getTransceivers() if t.kind == "audio"]
+        if not audio:
+            raise BadOffer("the SDP offer has no audio section: a call needs one (m=audio, Opus or PCMU/PCMA)")
+        audio[0].direction = "sendrecv"
+        self.pc.addTrack(self.track)
+        await self.pc.setLocalDescription(await self.pc.createAnswer())
+        return self.pc.localDescription.sdp
+
+    async def run(self) -> None:
+        """Wait for the caller's channel (or expire), then pump the session until the call ends."""
+        ctx, metrics = self.ctx, self.ctx.metrics
+        try:
+            try:
+                await asyncio.wait_for(self.socket.opened.wait(), ctx.settings.webrtc_connect_timeout)
+            except asyncio.TimeoutError:
+                metrics.refused.labels("connect_timeout").inc()
+                logger.info("call %s never connected: ended after %gs", self.id, ctx.settings.webrtc_connect_timeout)
+                return
+            if self.socket.client_state.name == "DISCONNECTED":
+                return
+            pump = self.pump = Pump(self.adapter, self.session, ctx.limits, metrics, ctx.runtime.transcription)
+            ctx.drain.add(pump)
+            listener = asyncio.create_task(self._listen(), name="call-audio")
+            try:
+                await self.adapter.start(pump, self.config)
+                asyncio.get_running_loop().call_later(AUDIO_GATE_SECONDS, self.adapter.audio_open.set)
+                end = await pump.run()
+            finally:
+                listener.cancel()
+                with contextlib.suppress(BaseException):
+                    await listener
+                ctx.drain.discard(pump)
+            logger.info("call %s ended: %s", self.id, end.error if isinstance(end, Close) else end)
+        finally:
+            self.session.close("client")
+            await self.hang_up()
+
+    async def _listen(self) -> None:
+        """The caller's audio into the session, from the first handled event on."""
+        track, pump, heard = self._remote, self.pump, HeardAudio()
+        assert pump is not None
+        if track is None:
+            return
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            pcm = heard(frame)
+            if self.adapter.audio_open.is_set() and len(pcm):
+                pump.push(await self.adapter.take_audio(pcm))
+
+    def end(self, close: Close) -> None:
+        """End the call from the server's side (`/hangup`): the client gets `close`'s error event first."""
+        if self.pump is not None:
+            self.pump.end(close)
+        else:
+            asyncio.get_running_loop().create_task(self.hang_up())
+
+    async def hang_up(self) -> None:
+        """Close the connection, after the last event has left."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.socket.drained(LAST_EVENT_SECONDS)
+        self.track.stop()
+        await self.pc.close()
+
+
+HANGUP = Close(CloseCode.NORMAL, "hangup", "the call was hung up by the server")

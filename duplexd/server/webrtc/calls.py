@@ -1,0 +1,198 @@
+"""The Realtime API's WebRTC routes, as OpenAI serves them, so that OpenAI's own WebRTC clients work unchanged.
+
+- `POST /v1/realtime/calls`: an SDP offer, as `application/sdp` (the browser SDK, with an `ek_` key) or as
+  `multipart/form-data` with `sdp` and an optional `session` (an app server, with the server's key) → 201, the SDP
+  answer, `Location: /v1/realtime/calls/{call_id}`. `POST /v1/realtime?model=...` is the beta spelling.
+- `POST /v1/realtime/calls/{call_id}/hangup`: the server ends a call.
+- `POST /v1/realtime/client_secrets` (and beta `POST /v1/realtime/sessions`): ephemeral `ek_` keys, minted with
+  the server's key, for web pages.
+
+Errors are OpenAI's JSON shape (`ApiError`, turned into its response by the app's handler). The call itself is
+`call.py`; aiortc is imported only when a call comes, and without the `webrtc` extra these routes answer 501
+naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, ValidationError
+
+from duplexd.engine.errors import CapacityError
+from duplexd.server.connection.access import key_ok, origin_ok
+from duplexd.server.connection.query import BadQuery, sampling_from_query
+from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.openai_audio.errors import ApiError
+from duplexd.server.realtime import events as ev
+
+from . import stack
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+BETA_KEY_SECONDS = 60.0  # "all tokens expire after one minute" (the beta /v1/realtime/sessions)
+MAX_OFFER_BYTES = 64 * 1024
+
+
+class ExpiresAfter(BaseModel):
+    anchor: str = "created_at"
+    seconds: int = Field(ge=10, le=7200)
+
+
+class SecretRequest(BaseModel):
+    expires_after: ExpiresAfter | None = None
+    session: dict[str, Any] | None = None
+
+
+def _check_access(request: Request, ctx: ServerContext, minted_ok: bool = True) -> None:
+    if not key_ok(request, ctx.settings.api_key, ctx.client_secrets if minted_ok else None):
+        raise ApiError(401, "missing or wrong API key", "invalid_api_key")
+    if not origin_ok(request, ctx.settings.allowed_origins):
+        raise ApiError(403, f"origin {request.headers.get('origin')} is not allowed", "origin_not_allowed")
+
+
+async def _offer(request: Request) -> tuple[str, dict[str, Any] | None]:
+    """The SDP offer and the session configuration the request carries."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "multipart/form-data":
+        form = await request.form()
+        sdp, session = form.get("sdp"), form.get("session")
+        if not isinstance(sdp, str) or not sdp.strip():
+            raise ApiError(400, "the form needs an 'sdp' field holding the SDP offer", "invalid_offer", "sdp")
+        config = None
+        if isinstance(session, str) and session.strip():
+            try:
+                config = json.loads(session)
+            except ValueError as e:
+                raise ApiError(400, f"'session' is not JSON: {e}", "invalid_value", "session") from None
+            if not isinstance(config, dict):
+                raise ApiError(400, "'session' must be a JSON object", "invalid_value", "session")
+        return sdp, config
+    if kind in ("application/sdp", "text/plain", ""):
+        body = await request.body()
+        if len(body) > MAX_OFFER_BYTES:
+            raise ApiError(413, f"the SDP offer is over {MAX_OFFER_BYTES} bytes", "invalid_offer")
+        sdp = body.decode("utf-8", "replace")
+        if not sdp.strip():
+            raise ApiError(400, "the request body must be the SDP offer", "invalid_offer")
+        return sdp, None
+    raise ApiError(
+        415,
+        f"send the SDP offer as application/sdp, or multipart/form-data with sdp and session (got {kind})",
+        "unsupported_content_type",
+    )
+
+
+@router.post("/v1/realtime/calls", status_code=201)
+@router.post("/v1/realtime", status_code=201)  # the beta spelling (`?model=` ignored: the server has one model)
+async def create_call(request: Request, ctx: Context) -> Response:
+    _check_access(request, ctx)
+    if not stack.available():
+        raise ApiError(501, stack.EXTRA_MISSING, "webrtc_unavailable")
+    sdp, config = await _offer(request)
+    if config is None:
+        key = ctx.client_secrets.get(_bearer(request))
+        config = key.session if key is not None else None
+    if config:
+        config = {k: v for k, v in config.items() if k not in ("type", "model")}  # the server has one model
+    runtime, metrics = ctx.runtime, ctx.metrics
+    if not runtime.ready:
+        raise ApiError(503, runtime.failed or "the server is warming up: try again shortly", "not_ready")
+    if ctx.drain.draining:
+        metrics.refused.labels("draining").inc()
+        raise ApiError(503, "server draining (shutting down): call another replica", "server_draining")
+    try:
+        params = sampling_from_query(request.query_params)
+    except BadQuery as e:
+        raise ApiError(400, str(e), "invalid_parameter") from None
+    try:
+        session = runtime.open_session(params, None, None)
+    except CapacityError as e:
+        metrics.refused.labels("capacity").inc()
+        raise ApiError(503, f"server at capacity: {e}", "capacity") from None
+    from .call import BadOffer, Call  # noqa: PLC0415 - aiortc, the optional extra
+
+    call_id = ev.new_id("rtc")
+    call = Call(call_id, ctx, session, config)
+    try:
+        answer = await call.answer(sdp)
+    except BadOffer as e:
+        session.close("client")
+        await call.hang_up()
+        raise ApiError(400, str(e), "invalid_offer", "sdp") from None
+    except BaseException:
+        session.close("client")
+        await call.hang_up()
+        raise
+    metrics.sessions.labels("webrtc").inc()
+    ctx.calls[call_id] = call
+    call.task = asyncio.create_task(call.run(), name=f"call-{call_id}")
+    call.task.add_done_callback(lambda _: ctx.calls.pop(call_id, None))
+    logger.info("call %s answered (slot %d)", call_id, session.slot)
+    location = f"/v1/realtime/calls/{call_id}"
+    return Response(answer, status_code=201, media_type="application/sdp", headers={"Location": location})
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+@router.post("/v1/realtime/calls/{call_id}/hangup")
+async def hangup(request: Request, ctx: Context, call_id: str) -> Response:
+    _check_access(request, ctx, minted_ok=False)
+    call = ctx.calls.get(call_id)
+    if call is None:
+        raise ApiError(404, f"no call {call_id!r} in progress", "call_id_not_found", "call_id")
+    from .call import HANGUP  # noqa: PLC0415
+
+    call.end(HANGUP)
+    return Response(status_code=200)
+
+
+@router.post("/v1/realtime/client_secrets")
+async def mint(request: Request, ctx: Context) -> Response:
+    _check_access(request, ctx, minted_ok=False)
+    try:
+        body = SecretRequest.model_validate_json(await request.body() or b"{}")
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"])
+        raise ApiError(400, f"bad {param or 'body'}: {err['msg']}", "invalid_value", param or None) from None
+    seconds = body.expires_after.seconds if body.expires_after else ctx.settings.client_secret_seconds
+    session = body.session or {}
+    if session:
+        try:
+            ev.parse_session({k: v for k, v in session.items() if k not in ("type", "model")})
+        except ev.RealtimeError as e:
+            raise ApiError(400, e.message, e.code, e.param) from None
+    key = ctx.client_secrets.mint(seconds, session)
+    shown = {"type": "realtime", **session, "model": ctx.runtime.info.id}
+    return JSONResponse({"value": key.value, "expires_at": int(key.expires_at), "session": shown})
+
+
+@router.post("/v1/realtime/sessions")
+async def beta_mint(request: Request, ctx: Context) -> Response:
+    _check_access(request, ctx, minted_ok=False)
+    try:
+        session = json.loads(await request.body() or b"{}")
+    except ValueError as e:
+        raise ApiError(400, f"the body is not JSON: {e}", "invalid_json") from None
+    if not isinstance(session, dict):
+        raise ApiError(400, "the body must be a JSON object (the session)", "invalid_value")
+    key = ctx.client_secrets.mint(BETA_KEY_SECONDS, {k: v for k, v in session.items() if k != "model"})
+    body = {
+        "id": ev.new_id("sess"),
+        "object": "realtime.session",
+        **session,
+        "model": ctx.runtime.info.id,
+        "client_secret": {"value": key.value, "expires_at": int(key.expires_at)},
+        "created_at": int(time.time()),
+    }
+    return JSONResponse(body)
