@@ -116,7 +116,8 @@ class Caller:
         await self.pc.setLocalDescription(await self.pc.createOffer())
         sdp = self.pc.localDescription.sdp
         if strip_candidates:  # as OpenAI's browser SDK posts it: before gathering
-            sdp = "".join(line for line in sdp.splitlines(keepends=True) if not line.startswith(("a=candidate", "a=end-of-candidates")))
+            lines = sdp.splitlines(keepends=True)
+            sdp = "".join(line for line in lines if not line.startswith(("a=candidate", "a=end-of-candidates")))
         return sdp
 
     async def call(
