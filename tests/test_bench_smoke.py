@@ -205,6 +205,9 @@ SMOKE: dict[str, Smoke] = {
         ("--streams", "1", "--seconds", "0.3", "--words", "1", "--words-per-second", "20"),
         ("stt_step_ms_together", "tts_step_ms_together", "stt_step_ratio_together_vs_alone"),
     ),
+    "webrtc_calls.py": Smoke(
+        ("--calls", "1", "--seconds", "1"), ("cpu_ratio_webrtc_vs_websocket", "ttfa_ms_added_by_webrtc")
+    ),
     "stt_streams.py": Smoke(("--frames", "2", "--warmup", "1", "--sessions", "2", *ONE), ("duplexd_fps_b2",)),
     "tts_streams.py": Smoke(
         ("--sessions", "1", "--words", "2", "--threads", "1"), ("ratio_vs_one_by_one", "ttfa_ms_p50_b1")
