@@ -40,7 +40,7 @@ from websockets.exceptions import ConnectionClosed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.host_overhead import free_port  # noqa: E402
-from bench.processes import ending_children, wait_ready  # noqa: E402
+from bench.processes import ending_children, stop, wait_ready  # noqa: E402
 
 RATE, FRAME, FRAME_S = 24000, 1920, 0.08
 REPLY = "Sure, here is what I found about that: it should be ready by tomorrow morning, if all goes well.".split()
@@ -183,11 +183,8 @@ def main() -> int:
                 "together": asyncio.run(run_phase(port, args, True, True)),
             }
         finally:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop([server.pid], 30.0)
+            server.wait()
     print(
         f"speech mix on {platform.machine()} ({os.cpu_count()} cores): {args.streams} STT + {args.streams} TTS "
         f"streams, {args.seconds:g} s a phase, words at {args.words_per_second:g}/s; demo STT and demo TTS, CPU fp32"

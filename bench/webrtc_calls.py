@@ -6,10 +6,13 @@ One server on the CPU (the demo model, `--webrtc-hosts 127.0.0.1`), two phases o
 for `--seconds`, one after the other: WebSocket `/v1/realtime` clients (pcm16 appends every 80 ms, the deltas
 read), then aiortc callers on `/v1/realtime/calls` (a paced 48 kHz microphone track, the speech track decoded),
 both in this process. Measured per phase: the server process's CPU per session-second (from /proc), the time
-from the first audio sent to the first audio heard (WebSocket: the first delta; WebRTC: the first non-silent
-decoded frame, so it holds both jitter buffers, Opus both ways and the outgoing track's pacing), and the
-server's late frames (`duplexd_frames_late_total`). The reference is the WebSocket path: the last line (JSON)
-holds the WebRTC / WebSocket ratio of CPU per call-second and the milliseconds the WebRTC leg adds to first audio.
+from the first audio the server takes to the first audio heard (WebSocket: first append → first delta; WebRTC:
+the first event, from which the server takes the microphone → the first non-silent decoded frame, so it holds the
+uplink jitter buffer, Opus both ways and the downlink), for WebRTC the downlink alone (`output_audio_buffer.started`,
+sent as the first speech is queued on the track → that speech decoded: pacing, Opus, RTP, the caller's jitter
+buffer), and the server's late frames (`duplexd_frames_late_total`). The reference is the WebSocket path: the
+last line (JSON) holds the WebRTC / WebSocket ratio of CPU per call-second and the milliseconds the WebRTC leg
+adds to first audio.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from websockets.asyncio.client import connect
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.host_overhead import free_port, parse_stat  # noqa: E402
-from bench.processes import ending_children, wait_ready  # noqa: E402
+from bench.processes import ending_children, stop, wait_ready  # noqa: E402
 
 RATE, FRAME = 24000, 1920
 
@@ -43,6 +46,7 @@ RATE, FRAME = 24000, 1920
 @dataclass
 class Phase:
     ttfa: list[float] = field(default_factory=list)  # seconds, per session
+    downlink: list[float] = field(default_factory=list)  # WebRTC: output_audio_buffer.started → first sound heard
     cpu_s: float = 0.0
     session_s: float = 0.0
     late: float = 0.0
@@ -124,10 +128,15 @@ async def webrtc_call(port: int, seconds: float, seed: int, phase: Phase) -> Non
         if answer.status != 201:
             raise RuntimeError(f"call refused: {answer.status} {answer.text}")
         await asyncio.wait_for(caller.opened.wait(), 10)
+        await caller.next_event("session.created")
         caller.send({"type": "session.update", "session": {"type": "realtime"}})  # as the SDK does on open
-        await asyncio.sleep(seconds)
-        if caller.first_sound is not None and caller.mic.started is not None:
-            phase.ttfa.append(caller.first_sound - caller.mic.started)
+        opened = time.monotonic()  # the server takes the microphone from this event on
+        await caller.next_event("output_audio_buffer.started")
+        started = time.monotonic()
+        await asyncio.sleep(max(seconds - (started - opened), 0))
+        if caller.first_sound is not None:
+            phase.ttfa.append(caller.first_sound - opened)
+            phase.downlink.append(caller.first_sound - started)
     finally:
         await caller.hang_up()
 
@@ -152,7 +161,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each session")
     parser.add_argument("--jitter-frames", type=int, default=2, help="the server's --webrtc-jitter-frames")
     args = parser.parse_args()
-    from duplexd.server.webrtc import stack
+    from duplexd.server.realtime.webrtc import stack
 
     stack.tune(args.jitter_frames, ("127.0.0.1",))  # this process's callers gather on loopback too
     with ending_children(), tempfile.TemporaryDirectory() as tmp:
@@ -165,16 +174,16 @@ def main() -> int:
                 "webrtc": asyncio.run(run_phase(port, server.pid, args.calls, args.seconds, True)),
             }
         finally:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop([server.pid], 30.0)
+            server.wait()
     print(
         f"webrtc calls on {platform.machine()} ({os.cpu_count()} cores): {args.calls} sessions of {args.seconds:g} s "
         f"a phase, demo model, CPU; jitter buffer {args.jitter_frames} frames"
     )
-    print(f"{'path':<10} {'cpu ms/s':>9} {'ttfa p50 ms':>11} {'ttfa max ms':>11} {'late frac':>9} {'frames':>7}")
+    print(
+        f"{'path':<10} {'cpu ms/s':>9} {'ttfa p50 ms':>11} {'ttfa max ms':>11} {'downlink ms':>11} {'late frac':>9} "
+        f"{'frames':>7}"
+    )
     result: dict[str, object] = {"bench": "webrtc_calls", "calls": args.calls, "seconds": args.seconds}
     for name, p in phases.items():
         cpu = 1000 * p.cpu_s / p.session_s if p.session_s else float("nan")
@@ -182,7 +191,10 @@ def main() -> int:
         p50 = 1000 * ttfa[len(ttfa) // 2] if ttfa else float("nan")
         worst = 1000 * ttfa[-1] if ttfa else float("nan")
         late = p.late / p.frames_out if p.frames_out else float("nan")
-        print(f"{name:<10} {cpu:>9.1f} {p50:>11.0f} {worst:>11.0f} {late:>9.3f} {int(p.frames_out):>7}")
+        down = 1000 * sorted(p.downlink)[len(p.downlink) // 2] if p.downlink else float("nan")
+        print(f"{name:<10} {cpu:>9.1f} {p50:>11.0f} {worst:>11.0f} {down:>11.0f} {late:>9.3f} {int(p.frames_out):>7}")
+        if p.downlink:
+            result[f"downlink_ms_p50_{name}"] = round(down, 1)
         result[f"cpu_ms_per_s_{name}"] = round(cpu, 2)
         result[f"ttfa_ms_p50_{name}"] = round(p50, 1)
         result[f"late_frac_{name}"] = round(late, 4)

@@ -31,6 +31,11 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
     "mps absent": (["serve", "--device", "mps"], "--device mps: this machine has no MPS device", {}),
     "device twice": (["serve", "--device", "cpu", "--device", "cpu"], "--device cpu: given twice", {}),
     "device from the environment": (["serve"], "DUPLEXD_DEVICES cuda:5:", {"DUPLEXD_DEVICES": "cuda:5"}),
+    "TURN without credentials": (
+        ["serve", "--webrtc-ice-servers", "turn:turn.example.com:3478"],
+        "--webrtc-ice-servers turn:turn.example.com:3478: 'turn:turn.example.com:3478' is not a stun:HOST:PORT URL",
+        {},
+    ),
     "missing LM": (
         [
             "serve",

@@ -36,7 +36,8 @@ def server(tmp_path_factory):
     env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     # A long idle timeout: the refusal test's holder sends nothing while the browser, maybe slow beside another test
     # worker, starts; it must not be closed for idling before the browser is refused.
-    args = ("--max-sessions", "1", "--transcribe", "demo", "--transcribe-max-tokens", "16", "--idle-timeout", "120")
+    args = ("--max-sessions", "1", "--transcribe", "demo", "--transcribe-max-tokens", "16", "--idle-timeout", "120",
+            "--webrtc-hosts", "127.0.0.1")  # fmt: skip
     with running_server(log, *args, env=env) as live:
         yield live
 
@@ -50,7 +51,7 @@ def browser(tmp_path_factory):
     else:
         pcm = speech_like(4.0, seed=5)
     write_wav(str(wav), pcm)
-    args = launch_args(wav)
+    args = [*launch_args(wav), "--allow-loopback-in-peer-connection"]  # the server's call is on 127.0.0.1
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         yield b
@@ -87,8 +88,15 @@ def frames(page) -> int:
     return int(page.inner_text("#frames-received"))
 
 
-def test_talks_hears_and_reads_the_model(server, page, tmp_path):
+def open_page(server, page, transport: str = "websocket") -> None:
+    """The page, with its transport chosen (auto picks WebRTC: this server serves calls)."""
     page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('model-id').textContent.length > 0", timeout=10000)
+    page.evaluate(f"document.getElementById('transport').value = '{transport}'")
+
+
+def test_talks_hears_and_reads_the_model(server, page, tmp_path):
+    open_page(server, page)
     page.wait_for_selector("#demo-note:not([hidden])", timeout=10000)  # the server says it runs the demo model
     assert page.is_hidden("#persona")  # the demo model takes no persona
     page.click("#start")
@@ -125,7 +133,7 @@ def test_refused_session_says_the_server_is_full(server, page, tmp_path):
     holder.start()
     try:
         assert admitted.wait(15)
-        page.goto(server.url + "/")
+        open_page(server, page, "auto")  # a call is refused as a WebSocket is
         page.click("#start")
         page.wait_for_selector("#state[data-state=refused]", timeout=60000)  # a page start on a loaded box
         assert "server is full" in page.inner_text("#message")
@@ -141,7 +149,7 @@ def test_shows_the_users_captions(server, page, tmp_path):
     """With "Transcribe me" on (the default: the server lists a transcription model), each thing the microphone
     says gets a caption line: a placeholder while it is spoken, then the server's transcript."""
     wait_until_idle(server)
-    page.goto(server.url + "/")
+    open_page(server, page)
     page.wait_for_selector("#transcribe-toggle:not([hidden])", timeout=10000)
     assert page.is_checked("#transcribe") and page.is_visible("#you")
     page.click("#start")
@@ -159,9 +167,30 @@ def test_shows_the_users_captions(server, page, tmp_path):
     page.wait_for_selector("#state[data-state=idle]")
 
 
+def test_talks_over_webrtc_when_the_server_serves_calls(server, page, tmp_path):
+    """Auto: the server lists /v1/realtime/calls, so the page calls (the microphone on the peer connection, the
+    voice from the track, events on oai-events); its first event turns the user's captions on; Stop hangs up."""
+    wait_until_idle(server)
+    open_page(server, page, "auto")
+    page.click("#start")
+    page.wait_for_selector("#state[data-state=live]", timeout=20000)
+    assert "WebRTC" in page.inner_text("#state")
+    page.wait_for_function("document.getElementById('text').textContent.length > 0", timeout=15000)
+    page.wait_for_function("document.getElementById('first-audio').textContent.endsWith('ms')", timeout=10000)
+    page.wait_for_function("parseFloat(document.getElementById('out-level').style.width) > 0", timeout=10000)
+    if shutil.which("espeak-ng"):
+        page.wait_for_selector("#captions li[data-state=done]", timeout=30000)
+    assert frames(page) == 0  # no audio event: the voice is on the track
+    save(page, tmp_path, "web-webrtc.png")
+    page.click("#stop")
+    page.wait_for_selector("#state[data-state=idle]")
+    wait_until_idle(server)  # the hang-up freed the slot
+    assert page.is_hidden("#message")
+
+
 def test_lost_connection_is_reported(server, page, tmp_path):
     """Last in the module: it stops the server under the page."""
-    page.goto(server.url + "/")
+    open_page(server, page)
     page.click("#start")
     page.wait_for_selector("#state[data-state=live]", timeout=15000)
     page.wait_for_function("Number(document.getElementById('frames-received').textContent) >= 3", timeout=15000)

@@ -16,7 +16,7 @@ from .live_server import running_server
 
 pytest.importorskip("aiortc")
 from duplexd.clients.webrtc import MIC_RATE, Caller, post  # noqa: E402
-from duplexd.server.webrtc import stack  # noqa: E402
+from duplexd.server.realtime.webrtc import stack  # noqa: E402
 
 stack.tune(2, ("127.0.0.1",))  # the callers gather on loopback too (aioice leaves it out)
 
@@ -223,3 +223,38 @@ def test_a_call_that_never_connects_expires_and_frees_its_slot(server):
     assert answer.status == 201
     assert metric(server, "duplexd_sessions_active") >= 1
     wait_idle(server, timeout=10)  # --webrtc-connect-timeout 3
+
+
+def test_a_sideband_socket_controls_the_call_and_hears_its_events(server):
+    from websockets.asyncio.client import connect  # noqa: PLC0415
+
+    ws_url = server.url.replace("http://", "ws://") + "/v1/realtime"
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def main():
+        caller = Caller(speech(6.0))
+        assert (await caller.call(f"{server.url}/v1/realtime/calls", KEY)).status == 201
+        await caller.next_event("session.created")
+        caller.send({"type": "session.update", "session": {"type": "realtime"}})
+        await caller.next_event("session.updated")
+        async with connect(f"{ws_url}?call_id={caller.call_id}", additional_headers=auth) as side:
+            created = json.loads(await side.recv())
+            assert created["type"] == "session.created"
+            await side.send(json.dumps({"type": "session.update", "session": {"sampling": {"text_topk": 3}}}))
+            on_call = await caller.next_event("session.updated")  # the caller sees what the sideband changed
+            seen = set()
+            while not {"session.updated", "response.output_audio_transcript.delta"} <= seen:
+                seen.add(json.loads(await asyncio.wait_for(side.recv(), 10))["type"])
+            await caller.hang_up()  # the call ends: so does its sideband
+            await asyncio.wait_for(side.wait_closed(), 10)
+            code = side.close_code
+        async with connect(f"{ws_url}?call_id=rtc_nope", additional_headers=auth) as unknown:
+            refused = json.loads(await unknown.recv())
+            await asyncio.wait_for(unknown.wait_closed(), 5)
+        return on_call, code, refused, unknown.close_code
+
+    on_call, code, refused, unknown_code = run(main())
+    assert on_call["session"]["sampling"]["text_topk"] == 3
+    assert code == 1000
+    assert refused["error"]["code"] == "call_id_not_found" and unknown_code == 1008
+    wait_idle(server)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from . import routes
 from .codec.batches import CodecBatches
 from .codec.streams import backend
+from .core.api_error import ApiError
 from .core.context import ServerContext
 from .core.drain import Drain
 from .core.metrics import Metrics
@@ -25,9 +26,8 @@ from .core.version import VERSION
 from .kyutai import chat, stt_refusal
 from .moshi_server import asr, asr_upload, tts
 from .openai_audio import speech, transcriptions
-from .openai_audio.errors import ApiError
 from .realtime import conversation, transcription
-from .webrtc import calls
+from .realtime.webrtc import calls
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from .core.context import Context
 from .core.version import VERSION
 from .moshi_server.asr import PATH as ASR_PATH
 from .moshi_server.tts import PATH as TTS_PATH
+from .realtime.webrtc import stack as webrtc_stack
 
 router = APIRouter()
 
@@ -70,11 +71,11 @@ def metrics(ctx: Context) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def protocols(speech_to_text: bool) -> list[str]:
-    """The WebSocket endpoints the served model speaks."""
+def protocols(speech_to_text: bool, webrtc: bool = False) -> list[str]:
+    """The endpoints the served model speaks: its WebSockets, and WebRTC calls where they are served."""
     if speech_to_text:
         return [ASR_PATH, "/v1/realtime?intent=transcription"]
-    return ["/api/chat", "/v1/realtime"]
+    return ["/api/chat", "/v1/realtime", *(["/v1/realtime/calls"] if webrtc else [])]
 
 
 @router.get("/v1/models")
@@ -94,7 +95,7 @@ def models(request: Request, ctx: Context) -> dict:
             "frame_size": info.frame_size,
             "devices": list(info.devices),
             "max_sessions": ctx.runtime.capacity(),
-            "protocols": protocols(info.speech_to_text),
+            "protocols": protocols(info.speech_to_text, ctx.settings.webrtc and webrtc_stack.available()),
             "persona": info.persona,
             "voices": list(info.voices),
         }

@@ -1,5 +1,7 @@
-// duplexd browser voice chat: microphone → /v1/realtime (base64 pcm16, 24 kHz) → the model's voice and text.
-// No build step and no codec: the OpenAI Realtime subset carries raw pcm16, so the browser needs no Opus.
+// duplexd browser voice chat: microphone → the model's voice and text, over WebRTC when the server serves calls
+// (/v1/realtime/calls: the browser's own echo cancellation, jitter buffer and Opus), else over the /v1/realtime
+// WebSocket (base64 pcm16, 24 kHz: no build step and no codec, AudioWorklets capture and play). Settings can force
+// either. Both carry the same Realtime events; a call carries them on its oai-events data channel.
 // "Transcribe me" (when the server has a transcription model) turns on input_audio_transcription: the user's
 // captions, one line per utterance, from the server's speech_started / speech_stopped / transcription events.
 // A PersonaPlex server with voices (/v1/models: persona true) gets a persona box: a role text and a voice picker,
@@ -19,6 +21,7 @@ const ui = {
 
 let chat = null; // the running conversation, if any
 let transcriber = null; // the server's transcription model (from /v1/models), if it has one
+let callsServed = false; // the server serves WebRTC calls (/v1/models protocols)
 
 function setState(state, label) {
   ui.state.className = `state ${state}`;
@@ -138,7 +141,15 @@ const REFUSALS = {
   invalid_api_key: "The server refused the API key. Enter the right key under Settings.",
   origin_not_allowed: "The server does not accept connections from this page's origin.",
   invalid_parameter: "The server refused a setting",
+  server_draining: "The server is shutting down. Try again in a moment.",
+  webrtc_unavailable: "The server cannot take calls: choose WebSocket under Settings.",
+  webrtc_off: "The server takes no calls: choose WebSocket under Settings.",
 };
+
+function useWebRTC() {
+  const choice = $("transport").value;
+  return choice === "webrtc" || (choice === "auto" && callsServed);
+}
 
 async function start() {
   showMessage("");
@@ -186,14 +197,19 @@ async function start() {
   c.capture.port.onmessage = (e) => {
     if (chat !== c) return;
     meter(ui.inLevel, e.data.level);
-    if (c.admitted && c.ws.readyState === WebSocket.OPEN) {
+    if (c.ws && c.admitted && c.ws.readyState === WebSocket.OPEN) {
       c.ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: toBase64(pcm16(e.data.frame)) }));
       if (c.sentAt === null) c.sentAt = performance.now();
     }
   };
   await c.context.resume();
+  if (useWebRTC()) {
+    await call(c, settings());
+    return;
+  }
 
   setState("connecting", "connecting");
+  c.send = (text) => { if (c.ws.readyState === WebSocket.OPEN) c.ws.send(text); };
   const protocols = ["realtime"];
   const key = $("api_key").value.trim();
   if (key) protocols.push(`openai-insecure-api-key.${key}`);
@@ -203,16 +219,81 @@ async function start() {
   c.ws.onclose = (e) => onClose(c, e);
 }
 
+// A WebRTC call: the microphone on the peer connection, the model's voice from its track, events on oai-events.
+async function call(c, query) {
+  setState("connecting", "calling");
+  const pc = (c.pc = new RTCPeerConnection());
+  c.stream.getAudioTracks().forEach((track) => pc.addTrack(track, c.stream));
+  const channel = (c.channel = pc.createDataChannel("oai-events"));
+  c.send = (text) => { if (channel.readyState === "open") channel.send(text); };
+  channel.onmessage = (e) => onEvent(c, JSON.parse(e.data));
+  channel.onclose = () => onClose(c, { code: c.admitted ? 1000 : 1006, reason: "the call ended" });
+  c.audio = new Audio();
+  c.audio.autoplay = true;
+  pc.ontrack = (e) => {
+    c.audio.srcObject = e.streams[0];
+    const analyser = c.context.createAnalyser();
+    c.context.createMediaStreamSource(e.streams[0]).connect(analyser);
+    const samples = new Float32Array(analyser.fftSize);
+    c.outMeter = setInterval(() => {
+      analyser.getFloatTimeDomainData(samples);
+      meter(ui.outLevel, Math.sqrt(samples.reduce((sum, v) => sum + v * v, 0) / samples.length));
+    }, 100);
+  };
+  pc.onconnectionstatechange = () => {
+    if (pc.connectionState === "failed") onClose(c, { code: 1006, reason: "the call's connection failed" });
+  };
+  await pc.setLocalDescription(await pc.createOffer());
+  const headers = { "Content-Type": "application/sdp" };
+  const key = $("api_key").value.trim();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  let response;
+  try {
+    response = await fetch(`v1/realtime/calls?${query}`, { method: "POST", body: pc.localDescription.sdp, headers });
+  } catch (e) {
+    stop(`Cannot reach the server: ${e.message || e}`, "error");
+    return;
+  }
+  if (chat !== c) return;
+  if (response.status !== 201) {
+    let err = {};
+    try { err = (await response.json()).error || {}; } catch (e) { /* not JSON */ }
+    const known = REFUSALS[err.code === "capacity" ? "resource_exhausted" : err.code];
+    stop(known ? `${known}${err.code === "invalid_parameter" ? `: ${err.message}` : ""}`
+               : `The server refused the call (${response.status}): ${err.message || response.statusText}`, "refused");
+    return;
+  }
+  await pc.setRemoteDescription({ type: "answer", sdp: await response.text() });
+  if (chat === c) setState("waiting", "waiting for a session");
+}
+
+// The first event of a call: the server takes the microphone from it on, so the persona and transcription it sets
+// apply to all of it (on the WebSocket the persona travels in the query).
+function firstUpdate() {
+  const session = {};
+  if (!ui.persona.hidden) Object.assign(session, { instructions: ui.role.value, voice: ui.voice.value });
+  if (transcriber && ui.transcribe.checked) session.input_audio_transcription = { model: transcriber };
+  return JSON.stringify({ type: "session.update", session });
+}
+
 function onEvent(c, event) {
   if (chat !== c) return;
   if (onTranscriptEvent(c, event)) return;
   switch (event.type) {
     case "session.created":
       c.admitted = true;
-      setState("live", "live");
+      c.createdAt = performance.now();
+      setState("live", c.pc ? "live (WebRTC)" : "live");
       if (event.session && event.session.model) ui.model.textContent = `model ${event.session.model}`;
       showPersona(event.session || {});
-      if (transcriber && ui.transcribe.checked) c.ws.send(transcriptionUpdate(true));
+      if (c.pc) c.send(firstUpdate());
+      else if (transcriber && ui.transcribe.checked) c.send(transcriptionUpdate(true));
+      break;
+    case "session.updated":
+      showPersona(event.session || {});
+      break;
+    case "output_audio_buffer.started": // a call: the model's voice is on the track from now on
+      ui.firstAudio.textContent = `${Math.round(performance.now() - c.createdAt)} ms`;
       break;
     case "response.output_audio.delta":
     case "response.audio.delta": {
@@ -268,6 +349,10 @@ function stop(message, state) {
   if (c) {
     c.userClosed = true;
     if (c.ws && c.ws.readyState <= WebSocket.OPEN) c.ws.close(1000, "user stopped");
+    if (c.outMeter) clearInterval(c.outMeter);
+    if (c.channel) c.channel.close();
+    if (c.pc) c.pc.close(); // the server hears the hang-up at once
+    if (c.audio) c.audio.srcObject = null;
     if (c.stream) c.stream.getTracks().forEach((t) => t.stop());
     if (c.context) c.context.close();
   }
@@ -306,6 +391,7 @@ async function describeServer() {
     const body = await response.json();
     const models = body.data || [];
     const model = models.find((m) => m.task !== "transcription");
+    callsServed = Boolean(model && (model.protocols || []).includes("/v1/realtime/calls"));
     if (model) {
       ui.demo.hidden = !model.demo;
       ui.model.textContent = `model ${model.id}`;
@@ -324,9 +410,7 @@ async function describeServer() {
 ui.start.addEventListener("click", start);
 ui.transcribe.addEventListener("change", () => {
   ui.you.hidden = !ui.transcribe.checked;
-  if (chat && chat.admitted && chat.ws.readyState === WebSocket.OPEN) {
-    chat.ws.send(transcriptionUpdate(ui.transcribe.checked));
-  }
+  if (chat && chat.admitted) chat.send(transcriptionUpdate(ui.transcribe.checked));
 });
 ui.stop.addEventListener("click", () => stop("", "idle"));
 describeServer();

@@ -57,7 +57,7 @@ class Limits:
 
 class Socket(Protocol):
     """What a session's pump and adapter use of their connection: a Starlette `WebSocket`, or a WebRTC call's
-    `oai-events` data channel standing in for one (`server/webrtc/channel.py`)."""
+    `oai-events` data channel standing in for one (`server/realtime/webrtc/channel.py`)."""
 
     @property
     def query_params(self) -> QueryParams: ...

@@ -27,7 +27,7 @@ class ServerContext:
     drain: Drain = field(default_factory=Drain)
     codec: CodecBatches = field(default_factory=CodecBatches)
     client_secrets: ClientSecrets = field(default_factory=ClientSecrets)  # the ek_ keys minted by this process
-    calls: dict[str, Any] = field(default_factory=dict)  # the WebRTC calls in progress, by id (server/webrtc)
+    calls: dict[str, Any] = field(default_factory=dict)  # the WebRTC calls in progress, by id (server/realtime/webrtc)
 
     @property
     def limits(self) -> Limits:

@@ -8,6 +8,7 @@ flag (name, help, choices, default) from the field, so a new setting is a new fi
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -244,6 +245,12 @@ class ServerSettings(BaseSettings):
     client_secret_seconds: float = opt(
         600.0, "default lifetime of an ephemeral ek_ key (POST /v1/realtime/client_secrets)", _ACCESS, gt=0, le=7200
     )
+    webrtc: bool = opt(
+        True,
+        "serve WebRTC calls when the webrtc extra is installed (--no-webrtc: WebSocket only, e.g. where browsers "
+        "cannot reach this machine over UDP; the built-in page then talks WebSocket)",
+        _RTC,
+    )
     webrtc_hosts: Annotated[list[str], NoDecode] = opt(
         [],
         "comma-separated addresses offered as host candidates: this machine's public or NAT-mapped ones (default: "
@@ -311,6 +318,17 @@ class ServerSettings(BaseSettings):
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("webrtc_ice_servers")
+    @classmethod
+    def _ice_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not re.match(r"^stuns?:\S+$|^turns?:[^:@\s]+:[^@\s]+@\S+$", url):
+                raise ValueError(
+                    f"{url!r} is not a stun:HOST:PORT URL or a turn:USER:PASSWORD@HOST:PORT one (TURN needs its "
+                    "credentials)"
+                )
+        return urls
 
     @field_validator("log_level", mode="before")
     @classmethod

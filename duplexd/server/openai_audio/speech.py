@@ -26,9 +26,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from duplexd.engine.errors import CapacityError
 from duplexd.server.connection.access import key_ok
 from duplexd.server.connection.speech import say, speech_of, spoken
+from duplexd.server.core.api_error import ApiError
 from duplexd.server.core.context import Context
 
-from .errors import ApiError
 from .speech_formats import MEDIA_TYPES, REFUSED, audio_writer
 
 logger = logging.getLogger(__name__)

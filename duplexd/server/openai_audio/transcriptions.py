@@ -47,9 +47,8 @@ from duplexd.engine.transcription.transcriber import instruction
 from duplexd.engine.transcription.vad import VAD_RATE, load_silero
 from duplexd.server.codec.upload import Decoded, UploadError, decode
 from duplexd.server.connection.access import key_ok
+from duplexd.server.core.api_error import ApiError
 from duplexd.server.core.context import Context, ServerContext
-
-from .errors import ApiError
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

@@ -41,6 +41,7 @@ from duplexd.server.connection.pump import Adapter, Pump, Socket, text_frame
 from duplexd.server.connection.query import BadQuery, sampling_from_query
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.core.persona import KYUTAI, Names, Persona, PersonaRefused
+from duplexd.server.realtime.webrtc import sideband
 from duplexd.wire import SAMPLE_RATE
 
 from . import events as ev
@@ -295,8 +296,12 @@ async def realtime(ws: WebSocket, ctx: Context) -> None:
         await ws.send_text(ev.error_event("transcription_sessions_unavailable", NO_TRANSCRIPTION_SESSIONS))
         await ws.close(CloseCode.POLICY_VIOLATION, "transcription sessions need a speech-to-text model")
         return
-    adapter = RealtimeAdapter(ws, ctx)
     subprotocol = ev.SUBPROTOCOL if ev.SUBPROTOCOL in offered_subprotocols(ws) else None
+    call_id = ws.query_params.get("call_id")
+    if call_id is not None:  # a sideband on a WebRTC call
+        await sideband.attach(ws, ctx, call_id, subprotocol)
+        return
+    adapter = RealtimeAdapter(ws, ctx)
 
     async def greet(pump: Pump) -> None:
         key = ctx.client_secrets.get(presented_key(ws))

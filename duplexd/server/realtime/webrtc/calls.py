@@ -27,8 +27,8 @@ from pydantic import BaseModel, Field, ValidationError
 from duplexd.engine.errors import CapacityError
 from duplexd.server.connection.access import key_ok, origin_ok
 from duplexd.server.connection.query import BadQuery, sampling_from_query
+from duplexd.server.core.api_error import ApiError
 from duplexd.server.core.context import Context, ServerContext
-from duplexd.server.openai_audio.errors import ApiError
 from duplexd.server.realtime import events as ev
 
 from . import stack
@@ -48,6 +48,11 @@ class ExpiresAfter(BaseModel):
 class SecretRequest(BaseModel):
     expires_after: ExpiresAfter | None = None
     session: dict[str, Any] | None = None
+
+
+def _own(session: dict[str, Any]) -> dict[str, Any]:
+    """A session configuration without what the server decides itself (it serves one model, as a realtime one)."""
+    return {k: v for k, v in session.items() if k not in ("type", "model")}
 
 
 def _check_access(request: Request, ctx: ServerContext, minted_ok: bool = True) -> None:
@@ -93,14 +98,15 @@ async def _offer(request: Request) -> tuple[str, dict[str, Any] | None]:
 @router.post("/v1/realtime", status_code=201)  # the beta spelling (`?model=` ignored: the server has one model)
 async def create_call(request: Request, ctx: Context) -> Response:
     _check_access(request, ctx)
+    if not ctx.settings.webrtc:
+        raise ApiError(404, "WebRTC calls are off on this server (--no-webrtc): use the WebSocket", "webrtc_off")
     if not stack.available():
         raise ApiError(501, stack.EXTRA_MISSING, "webrtc_unavailable")
     sdp, config = await _offer(request)
     if config is None:
         key = ctx.client_secrets.get(_bearer(request))
         config = key.session if key is not None else None
-    if config:
-        config = {k: v for k, v in config.items() if k not in ("type", "model")}  # the server has one model
+    config = _own(config) if config else None
     runtime, metrics = ctx.runtime, ctx.metrics
     if not runtime.ready:
         raise ApiError(503, runtime.failed or "the server is warming up: try again shortly", "not_ready")
@@ -167,11 +173,10 @@ async def mint(request: Request, ctx: Context) -> Response:
         raise ApiError(400, f"bad {param or 'body'}: {err['msg']}", "invalid_value", param or None) from None
     seconds = body.expires_after.seconds if body.expires_after else ctx.settings.client_secret_seconds
     session = body.session or {}
-    if session:
-        try:
-            ev.parse_session({k: v for k, v in session.items() if k not in ("type", "model")})
-        except ev.RealtimeError as e:
-            raise ApiError(400, e.message, e.code, e.param) from None
+    try:
+        ev.parse_session(_own(session))
+    except ev.RealtimeError as e:
+        raise ApiError(400, e.message, e.code, e.param) from None
     key = ctx.client_secrets.mint(seconds, session)
     shown = {"type": "realtime", **session, "model": ctx.runtime.info.id}
     return JSONResponse({"value": key.value, "expires_at": int(key.expires_at), "session": shown})
@@ -186,7 +191,7 @@ async def beta_mint(request: Request, ctx: Context) -> Response:
         raise ApiError(400, f"the body is not JSON: {e}", "invalid_json") from None
     if not isinstance(session, dict):
         raise ApiError(400, "the body must be a JSON object (the session)", "invalid_value")
-    key = ctx.client_secrets.mint(BETA_KEY_SECONDS, {k: v for k, v in session.items() if k != "model"})
+    key = ctx.client_secrets.mint(BETA_KEY_SECONDS, _own(session))
     body = {
         "id": ev.new_id("sess"),
         "object": "realtime.session",

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
+from starlette.websockets import WebSocket
 
 from duplexd.engine.dialogue.session import Session, SessionOutput
 from duplexd.server.connection.closing import Close, CloseCode
-from duplexd.server.connection.pump import Pump
+from duplexd.server.connection.pump import Pump, close_socket
 from duplexd.server.core.context import ServerContext
 from duplexd.server.realtime import events as ev
 from duplexd.server.realtime.conversation import RealtimeAdapter
@@ -37,6 +38,7 @@ from .tracks import RATE, HeardAudio, SpeechTrack
 
 logger = logging.getLogger(__name__)
 
+SIDEBAND_SEND_SECONDS = 2.0
 AUDIO_GATE_SECONDS = 1.0  # audio waits this long after the channel opens for the client's first session.update
 LAST_EVENT_SECONDS = 1.0
 
@@ -52,6 +54,16 @@ class CallAdapter(RealtimeAdapter):
         super().__init__(socket, ctx)
         self.track = track
         self.transcript = ""  # the assistant item's text so far (conversation.item.retrieve)
+        self.sidebands: set[WebSocket] = set()  # control sockets attached by `?call_id=` (sideband.py)
+
+    async def send_text(self, data: str) -> None:
+        """On the data channel, and to every sideband (one that cannot take it in time is dropped)."""
+        await super().send_text(data)
+        for ws in list(self.sidebands):
+            try:
+                await asyncio.wait_for(ws.send_text(data), SIDEBAND_SEND_SECONDS)
+            except Exception:  # noqa: BLE001 - its reader sees it gone; the call goes on
+                self.sidebands.discard(ws)
         self.audio_open = asyncio.Event()  # the caller's audio is taken once its first event is handled
 
     async def on_message(self, message: dict) -> np.ndarray | None:
@@ -113,6 +125,11 @@ class CallAdapter(RealtimeAdapter):
             messages.append(ev.transcript_delta(self.response_id, self.item_id, out.text))
         for message in messages:
             await self.send_text(message)
+
+    async def end_sidebands(self) -> None:
+        for ws in list(self.sidebands):
+            await close_socket(ws, Close(CloseCode.NORMAL, "call_ended", "the call ended"), SIDEBAND_SEND_SECONDS)
+        self.sidebands.clear()
 
 
 def _event_type(text: str) -> str | None:
@@ -197,6 +214,7 @@ class Call:
             logger.info("call %s ended: %s", self.id, end.error if isinstance(end, Close) else end)
         finally:
             self.session.close("client")
+            await self.adapter.end_sidebands()
             await self.hang_up()
 
     async def _listen(self) -> None:
@@ -212,14 +230,19 @@ class Call:
                 return
             pcm = heard(frame)
             if self.adapter.audio_open.is_set() and len(pcm):
-                pump.push(await self.adapter.take_audio(pcm))
+                try:
+                    pump.push(await self.adapter.take_audio(pcm))
+                except Close as close:  # the persona's prompt found no room: the call ends as a socket would
+                    pump.end(close)
+                    return
 
     def end(self, close: Close) -> None:
         """End the call from the server's side (`/hangup`): the client gets `close`'s error event first."""
         if self.pump is not None:
             self.pump.end(close)
-        else:
-            asyncio.get_running_loop().create_task(self.hang_up())
+        else:  # still connecting: `run` stops waiting, frees the slot and hangs up
+            self.socket.gone(close.message)
+            self.socket.opened.set()
 
     async def hang_up(self) -> None:
         """Close the connection, after the last event has left."""

@@ -65,13 +65,3 @@ def ice_servers(urls: list[str]) -> list[Any]:
         else:
             servers.append(RTCIceServer(url))
     return servers
-
-
-def check_ice_servers(urls: list[str]) -> str | None:
-    """What is wrong with `--webrtc-ice-servers`, or None."""
-    for url in urls:
-        if not re.match(r"^(stun|stuns|turn|turns):[^\s]+$", url):
-            return f"--webrtc-ice-servers: {url!r} is not a stun:, stuns:, turn: or turns: URL"
-        if url.startswith("turn") and not _TURN.match(url):
-            return f"--webrtc-ice-servers: {url!r} needs its credentials, as turn:USER:PASSWORD@HOST:PORT"
-    return None

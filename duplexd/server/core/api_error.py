@@ -1,4 +1,5 @@
-"""OpenAI's error shape for the audio endpoints: `{"error": {"message", "type", "param", "code"}}`."""
+"""OpenAI's error shape for its HTTP endpoints (audio, Realtime calls and keys):
+`{"error": {"message", "type", "param", "code"}}`."""
 
 from __future__ import annotations
 
