@@ -178,7 +178,7 @@ def test_talks_over_webrtc_when_the_server_serves_calls(server, page, tmp_path):
     page.wait_for_function("document.getElementById('text').textContent.length > 0", timeout=15000)
     page.wait_for_function("document.getElementById('first-audio').textContent.endsWith('ms')", timeout=10000)
     page.wait_for_function("parseFloat(document.getElementById('out-level').style.width) > 0", timeout=10000)
-    if shutil.which("espeak-ng"):
+    if shutil.which("espeak-ng"):  # the microphone reached the server over the call: its words are transcribed
         page.wait_for_selector("#captions li[data-state=done]", timeout=30000)
     assert frames(page) == 0  # no audio event: the voice is on the track
     save(page, tmp_path, "web-webrtc.png")

@@ -6,6 +6,7 @@ candidates, the multipart form with a session, ephemeral keys, bad offers, capac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -67,6 +68,8 @@ def wait_idle(server, timeout: float = 10.0) -> None:
 
 
 def test_a_call_talks_both_ways_and_the_client_hangs_up(server):
+    frames_in = metric(server, "duplexd_frames_in_total")
+
     async def main():
         caller = Caller(speech(3.0))
         answer = await caller.call(f"{server.url}/v1/realtime/calls", KEY, strip_candidates=True)
@@ -84,23 +87,28 @@ def test_a_call_talks_both_ways_and_the_client_hangs_up(server):
                 "format": {"type": "audio/pcm", "rate": 24000}, "transcription": None,
                 "turn_detection": {"type": "semantic_vad"}, "noise_reduction": None}},
             "sampling": {"seed": 9}}})  # fmt: skip
+        opened = time.monotonic()  # the server takes the microphone from this first event on
         updated = await caller.next_event("session.updated")
         assert updated["session"]["sampling"]["seed"] == 9
         started = await caller.next_event("output_audio_buffer.started")
+        caller.send({"type": "session.update", "session": {}})  # more events: the microphone stays taken
         kinds = []
         deadline = time.monotonic() + 2.5
         while time.monotonic() < deadline:
-            with __import__("contextlib").suppress(asyncio.TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 kinds.append((await asyncio.wait_for(caller.events.get(), 0.2))["type"])
         assert "response.output_audio.delta" not in kinds  # the speech is on the track
+        talked = time.monotonic() - opened
         heard = np.concatenate(caller.heard)
         # the tuned jitter buffer, on a live receiver (aiortc's own default holds 4 frames)
         receiver = next(r for r in caller.pc.getReceivers() if r.track.kind == "audio")
         assert receiver._RTCRtpReceiver__jitter_buffer._prefetch == 2
         await caller.hang_up()
-        return started, kinds, heard, caller.first_sound is not None
+        return started, kinds, heard, caller.first_sound is not None, talked
 
-    started, kinds, heard, sounded = run(main())
+    started, kinds, heard, sounded, talked = run(main())
+    # the caller's microphone reached the model all along (80 ms frames; the jitter buffer and the last frame aside)
+    assert metric(server, "duplexd_frames_in_total") - frames_in >= 0.8 * talked / 0.08 - 3
     assert started["response_id"]
     assert "response.output_audio_transcript.delta" in kinds
     assert sounded and len(heard) > MIC_RATE and np.abs(heard).max() > 0.01  # the model's speech arrived

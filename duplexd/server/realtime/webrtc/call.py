@@ -55,6 +55,7 @@ class CallAdapter(RealtimeAdapter):
         self.track = track
         self.transcript = ""  # the assistant item's text so far (conversation.item.retrieve)
         self.sidebands: set[WebSocket] = set()  # control sockets attached by `?call_id=` (sideband.py)
+        self.audio_open = asyncio.Event()  # the caller's audio is taken once its first event is handled
 
     async def send_text(self, data: str) -> None:
         """On the data channel, and to every sideband (one that cannot take it in time is dropped)."""
@@ -64,7 +65,6 @@ class CallAdapter(RealtimeAdapter):
                 await asyncio.wait_for(ws.send_text(data), SIDEBAND_SEND_SECONDS)
             except Exception:  # noqa: BLE001 - its reader sees it gone; the call goes on
                 self.sidebands.discard(ws)
-        self.audio_open = asyncio.Event()  # the caller's audio is taken once its first event is handled
 
     async def on_message(self, message: dict) -> np.ndarray | None:
         text = message.get("text")
