@@ -426,3 +426,36 @@ def test_idle_after_answers_keeps_a_waiting_client():
     assert error == "idle_timeout" and answers * every + idle - 0.05 <= waited <= answers * every + idle + 0.5
     waited, error = asyncio.run(closed_after(False))
     assert error == "idle_timeout" and idle - 0.05 <= waited < answers * every
+
+
+def test_webrtc_calls_without_the_extra_or_turned_off_say_so(monkeypatch):
+    """Without aiortc the calls route names the extra (501); with --no-webrtc it says calls are off (404); /v1/models
+    lists the calls route only where a call can be made (the built-in page picks its transport from it)."""
+    from duplexd.server.realtime.webrtc import stack  # noqa: PLC0415
+
+    def warm() -> Runtime:
+        engine = _FakeEngine()
+        engine.release.set()
+        return Runtime([engine], ModelInfo("m", "lm", "mimi", "tok", True, 24000, 1920, ("cpu",)))
+
+    offer = {"content": b"v=0\r\n", "headers": {"Content-Type": "application/sdp"}}
+
+    def protocols(client):
+        return client.get("/v1/models").json()["data"][0]["protocols"]
+
+    monkeypatch.setattr(stack, "available", lambda: False)
+    with TestClient(create_app(ServerSettings(), warm())) as client:
+        missing = client.post("/v1/realtime/calls", **offer)
+        assert "/v1/realtime/calls" not in protocols(client)
+    assert missing.status_code == 501
+    assert (
+        missing.json()["error"]["code"] == "webrtc_unavailable"
+        and "duplexd[webrtc]" in missing.json()["error"]["message"]
+    )
+    monkeypatch.setattr(stack, "available", lambda: True)
+    with TestClient(create_app(ServerSettings(), warm())) as client:
+        assert "/v1/realtime/calls" in protocols(client)
+    with TestClient(create_app(ServerSettings(webrtc=False), warm())) as client:
+        off = client.post("/v1/realtime/calls", **offer)
+        assert "/v1/realtime/calls" not in protocols(client)
+    assert off.status_code == 404 and off.json()["error"]["code"] == "webrtc_off"
