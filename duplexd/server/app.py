@@ -70,6 +70,7 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
         finally:
             if not warm.done():
                 await asyncio.shield(warm)  # engines cannot stop in the middle of warming up
+            await calls.end_calls(app.state.context)
             await asyncio.to_thread(runtime.stop)
             await asyncio.to_thread(codec.shutdown)
             unsubscribe()

@@ -252,6 +252,3 @@ class Call:
         await self.socket.drained(LAST_EVENT_SECONDS)
         self.track.stop()
         await self.pc.close()
-
-
-HANGUP = Close(CloseCode.NORMAL, "hangup", "the call was hung up by the server")

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from duplexd.engine.errors import CapacityError
 from duplexd.server.connection.access import key_ok, origin_ok
+from duplexd.server.connection.closing import Close, CloseCode
 from duplexd.server.connection.query import BadQuery, sampling_from_query
 from duplexd.server.core.api_error import ApiError
 from duplexd.server.core.context import Context, ServerContext
@@ -145,6 +146,16 @@ async def create_call(request: Request, ctx: Context) -> Response:
     return Response(answer, status_code=201, media_type="application/sdp", headers={"Location": location})
 
 
+async def end_calls(ctx: ServerContext, timeout: float = 5.0) -> None:
+    """At shutdown: every call still connecting (the drain ends those talking) ends, its slot freed."""
+    calls = list(ctx.calls.values())
+    for call in calls:
+        call.end(Close(CloseCode.GOING_AWAY, "server_shutdown", "the server is shutting down"))
+    tasks = [call.task for call in calls if call.task is not None]
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+
+
 def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
@@ -156,9 +167,7 @@ async def hangup(request: Request, ctx: Context, call_id: str) -> Response:
     call = ctx.calls.get(call_id)
     if call is None:
         raise ApiError(404, f"no call {call_id!r} in progress", "call_id_not_found", "call_id")
-    from .call import HANGUP  # noqa: PLC0415
-
-    call.end(HANGUP)
+    call.end(Close(CloseCode.NORMAL, "hangup", "the call was hung up by the server"))
     return Response(status_code=200)
 
 
