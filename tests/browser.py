@@ -22,4 +22,5 @@ def launch_args(mic_wav: Path) -> list[str]:
         "--use-fake-ui-for-media-stream",
         f"--use-file-for-fake-audio-capture={mic_wav}",
         "--autoplay-policy=no-user-gesture-required",
+        "--allow-loopback-in-peer-connection",  # WebRTC calls to a server on 127.0.0.1 (its --webrtc-hosts)
     ]

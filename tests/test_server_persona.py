@@ -94,7 +94,15 @@ def server(files, tmp_path_factory):
     flags, _, voices = files
     log = tmp_path_factory.mktemp("pp_persona_server") / "serve.log"
     with running_server(
-        log, *flags, "--voices", str(voices), "--max-sessions", "2", env=_env(tmp_path_factory)
+        log,
+        *flags,
+        "--voices",
+        str(voices),
+        "--max-sessions",
+        "2",
+        "--webrtc-hosts",
+        "127.0.0.1",
+        env=_env(tmp_path_factory),
     ) as live:
         yield live
 
@@ -479,9 +487,12 @@ def page(tmp_path_factory):
     assert not errors, errors
 
 
-def test_browser_persona_box(server, page):
+@pytest.mark.parametrize("transport", ["websocket", "webrtc"])
+def test_browser_persona_box(server, page, transport):
+    """The page's persona box, on either transport: the query of the WebSocket, the first event of a call."""
     page.goto(server.url + "/")
     page.wait_for_selector("#persona:not([hidden])", timeout=10000)
+    page.evaluate(f"document.getElementById('transport').value = '{transport}'")
     options = page.eval_on_selector_all("#voice_prompt option", "os => os.map(o => o.value)")
     assert options == ["NATF0.pt", "VARM1.pt", "guest.wav"]
     assert page.input_value("#voice_prompt") == "NATF0.pt" and page.input_value("#text_prompt") == DEFAULT_TEXT
@@ -489,12 +500,16 @@ def test_browser_persona_box(server, page):
     page.fill("#text_prompt", OTHER_ROLE)
     page.click("#start")
     page.wait_for_selector("#state[data-state=live]", timeout=15000)
-    page.wait_for_function("Number(document.getElementById('frames-received').textContent) >= 5", timeout=20000)
+    if transport == "websocket":
+        page.wait_for_function("Number(document.getElementById('frames-received').textContent) >= 5", timeout=20000)
+    else:  # the voice is on the call's track; the page shows the persona of session.updated
+        page.wait_for_function("document.getElementById('first-audio').textContent.endsWith('ms')", timeout=20000)
+        page.wait_for_function("document.getElementById('persona-used').textContent.includes('guest')", timeout=5000)
     assert page.inner_text("#persona-used") == "persona: voice guest.wav"
     assert page.get_attribute("#persona-used", "title") == OTHER_ROLE
     assert page.is_disabled("#voice_prompt")
     OUT.mkdir(exist_ok=True)
-    page.screenshot(path=str(OUT / "web-persona.png"), full_page=True)  # for a look (out/ is git-ignored)
+    page.screenshot(path=str(OUT / f"web-persona-{transport}.png"), full_page=True)  # out/ is git-ignored
     page.click("#stop")
     page.wait_for_selector("#state[data-state=idle]")
-    assert "persona fixed: voice guest.wav" in server.log.read_text()
+    assert server.log.read_text().count("persona fixed: voice guest.wav") == 1 + (transport == "webrtc")

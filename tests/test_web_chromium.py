@@ -51,7 +51,7 @@ def browser(tmp_path_factory):
     else:
         pcm = speech_like(4.0, seed=5)
     write_wav(str(wav), pcm)
-    args = [*launch_args(wav), "--allow-loopback-in-peer-connection"]  # the server's call is on 127.0.0.1
+    args = launch_args(wav)
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         yield b

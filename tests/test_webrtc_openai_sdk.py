@@ -130,9 +130,7 @@ def test_openai_agents_realtime_sdk_calls_duplexd_over_webrtc(server, page_origi
     wav = tmp_path / "mic.wav"
     write_wav(str(wav), speech_like(4.0, seed=2))
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=[*launch_args(wav), "--allow-loopback-in-peer-connection"]
-        )
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=launch_args(wav))
         try:
             page = browser.new_page()
             errors: list[str] = []

@@ -300,9 +300,8 @@ class ServerSettings(BaseSettings):
                 raise SettingsError(msg) from None
             field = str(err["loc"][0])
             name = option_name(field) if field in flags else env_name(field)
-            raise SettingsError(
-                f"{name} {err['input']}: {msg}" if err["input"] is not None else f"{name}: {msg}"
-            ) from None
+            given = ",".join(map(str, err["input"])) if isinstance(err["input"], list) else err["input"]
+            raise SettingsError(f"{name} {given}: {msg}" if given is not None else f"{name}: {msg}") from None
         settings._flags = frozenset(flags)
         return settings
 
