@@ -266,3 +266,11 @@ def test_a_sideband_socket_controls_the_call_and_hears_its_events(server):
     assert code == 1000
     assert refused["error"]["code"] == "call_id_not_found" and unknown_code == 1008
     wait_idle(server)
+
+
+def test_ice_servers_as_aiortc_takes_them():
+    servers = stack.ice_servers(["stun:stun.example.com:3478", "turn:al%40ce:s3cr%3At@turn.example.com:3478"])
+    assert [(s.urls, s.username, s.credential) for s in servers] == [
+        ("stun:stun.example.com:3478", None, None),
+        ("turn:turn.example.com:3478", "al@ce", "s3cr:t"),  # the user part, percent-decoded
+    ]
