@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from duplexd.engine.errors import CapacityError
 from duplexd.server.connection.access import key_ok, origin_ok
+from duplexd.server.connection.client_secrets import ClientSecret
 from duplexd.server.connection.closing import Close, CloseCode
 from duplexd.server.connection.query import BadQuery, sampling_from_query
 from duplexd.server.core.api_error import ApiError
@@ -171,6 +172,15 @@ async def hangup(request: Request, ctx: Context, call_id: str) -> Response:
     return Response(status_code=200)
 
 
+def _mint(ctx: ServerContext, seconds: float, session: dict[str, Any]) -> ClientSecret:
+    """A key for `session`, checked as the `session.update` its sessions will start with."""
+    try:
+        ev.parse_session(_own(session))
+    except ev.RealtimeError as e:
+        raise ApiError(400, e.message, e.code, e.param) from None
+    return ctx.client_secrets.mint(seconds, session)
+
+
 @router.post("/v1/realtime/client_secrets")
 async def mint(request: Request, ctx: Context) -> Response:
     _check_access(request, ctx, minted_ok=False)
@@ -182,11 +192,7 @@ async def mint(request: Request, ctx: Context) -> Response:
         raise ApiError(400, f"bad {param or 'body'}: {err['msg']}", "invalid_value", param or None) from None
     seconds = body.expires_after.seconds if body.expires_after else ctx.settings.client_secret_seconds
     session = body.session or {}
-    try:
-        ev.parse_session(_own(session))
-    except ev.RealtimeError as e:
-        raise ApiError(400, e.message, e.code, e.param) from None
-    key = ctx.client_secrets.mint(seconds, session)
+    key = _mint(ctx, seconds, session)
     shown = {"type": "realtime", **session, "model": ctx.runtime.info.id}
     return JSONResponse({"value": key.value, "expires_at": int(key.expires_at), "session": shown})
 
@@ -200,7 +206,7 @@ async def beta_mint(request: Request, ctx: Context) -> Response:
         raise ApiError(400, f"the body is not JSON: {e}", "invalid_json") from None
     if not isinstance(session, dict):
         raise ApiError(400, "the body must be a JSON object (the session)", "invalid_value")
-    key = ctx.client_secrets.mint(BETA_KEY_SECONDS, _own(session))
+    key = _mint(ctx, BETA_KEY_SECONDS, session)
     body = {
         "id": ev.new_id("sess"),
         "object": "realtime.session",
