@@ -100,6 +100,10 @@ def test_a_call_talks_both_ways_and_the_client_hangs_up(server):
         assert "response.output_audio.delta" not in kinds  # the speech is on the track
         talked = time.monotonic() - opened
         heard = np.concatenate(caller.heard)
+        # what the server's sender reports (RTCP): its own Opus, 32 kb/s mono, under 80 bytes a 20 ms packet
+        # (aiortc's own encoder, 96 kb/s stereo, sent ~160 here)
+        sent = next(s for s in (await caller.pc.getStats()).values() if s.type == "remote-outbound-rtp")
+        assert sent.packetsSent > 50 and sent.bytesSent / sent.packetsSent < 120
         # the tuned jitter buffer, on a live receiver (aiortc's own default holds 4 frames)
         receiver = next(r for r in caller.pc.getReceivers() if r.track.kind == "audio")
         assert receiver._RTCRtpReceiver__jitter_buffer._prefetch == 2

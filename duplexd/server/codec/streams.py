@@ -44,7 +44,7 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "lib" (the CDLL or None) once loaded, "warned" once the fast profile fell back
 
 
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     """libopus, or None (sphn then): loaded once per process, the fallback logged once."""
     with _lock:
         if "lib" not in _state:
@@ -62,7 +62,7 @@ def _library() -> ctypes.CDLL | None:
 def backend() -> str:
     """What codes the audio, for start-up logs and /health: "libopus 1.3.1 (ctypes)" or "sphn (libopus not
     found)"."""
-    lib = _library()
+    lib = library()
     return "sphn (libopus not found)" if lib is None else f"{libopus.version(lib)} (ctypes)"
 
 
@@ -86,7 +86,7 @@ class OggOpusEncoder:
         self._sphn: Any = None
         self.check_profile(profile)
         self.profile = profile
-        lib = _library()
+        lib = library()
         if lib is None:
             import sphn
 
@@ -167,7 +167,7 @@ class OggOpusDecoder:
         self._decoder: libopus.Decoder | None = None
         self._sphn: Any = None
         self._error: str | None = None
-        lib = _library()
+        lib = library()
         if lib is None:
             import sphn
 

@@ -26,6 +26,8 @@ from aiortc.mediastreams import MediaStreamError
 from starlette.websockets import WebSocket
 
 from duplexd.engine.dialogue.session import Session, SessionOutput
+from duplexd.server.codec import libopus
+from duplexd.server.codec.streams import library
 from duplexd.server.connection.closing import Close, CloseCode
 from duplexd.server.connection.pump import Pump, close_socket
 from duplexd.server.core.context import ServerContext
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 SIDEBAND_SEND_SECONDS = 2.0
 AUDIO_GATE_SECONDS = 1.0  # audio waits this long after the channel opens for the client's first session.update
 LAST_EVENT_SECONDS = 1.0
+OPUS_BITRATE = 32_000  # mono speech at 24 kHz: what a voice needs (aiortc's own encoder sends 96 kb/s stereo)
 
 
 class BadOffer(ValueError):
@@ -156,6 +159,7 @@ class Call:
         self.pump: Pump | None = None
         self.task: asyncio.Task | None = None  # `run`, held here while the call is in `ServerContext.calls`
         self._remote: Any = None  # the caller's audio track
+        self._encoder: libopus.Encoder | None = None  # the speech's, on an Opus call
         self._closed = False
 
         @self.pc.on("datachannel")
@@ -185,6 +189,11 @@ class Call:
         audio[0].direction = "sendrecv"
         self.pc.addTrack(self.track)
         await self.pc.setLocalDescription(await self.pc.createAnswer())
+        codecs = audio[0]._codecs  # negotiated, the one used first (aiortc 1.16's attribute)
+        lib = library()
+        if codecs and codecs[0].mimeType.lower() == "audio/opus" and lib is not None:
+            self._encoder = libopus.Encoder(lib, RATE, libopus.OPUS_APPLICATION_VOIP, bitrate=OPUS_BITRATE)
+            self.track.encode_with(self._encoder.encode)
         return self.pc.localDescription.sdp
 
     async def run(self) -> None:
@@ -252,3 +261,5 @@ class Call:
         await self.socket.drained(LAST_EVENT_SECONDS)
         self.track.stop()
         await self.pc.close()
+        if self._encoder is not None:
+            self._encoder.close()

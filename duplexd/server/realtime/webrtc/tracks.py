@@ -5,6 +5,10 @@ The outgoing track is a clock: aiortc pulls a 20 ms frame from `recv`, which wai
 hands over the next 20 ms of speech, or silence while there is none (RTP keeps flowing, as browsers expect from a
 peer). The engine's speech comes in 80 ms frames; the track's queue holds what has not gone out yet, which is
 what `output_audio_buffer.clear` drops and what a barge-in truncates to.
+
+On an Opus call the track hands aiortc packets it encoded itself (`encode_with`: the server's libopus, mono at
+the model's 24 kHz and 32 kb/s) instead of frames: aiortc would resample each frame to 48 kHz stereo and encode it
+at 96 kb/s on an executor thread, and measure its level in a Python loop.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import fractions
 import time
 from collections import deque
+from collections.abc import Callable
 
 import av
 import numpy as np
@@ -38,7 +43,12 @@ class SpeechTrack(MediaStreamTrack):
         self._head = 0  # samples of the queue's first array already sent
         self._start: float | None = None
         self._pts = 0
+        self._encode: Callable[[np.ndarray], bytes] | None = None
         self.played = 0  # samples of speech sent (silence not counted)
+
+    def encode_with(self, encode: Callable[[np.ndarray], bytes]) -> None:
+        """Send Opus packets of `encode` (20 ms of float32 at the model's rate → one packet) instead of frames."""
+        self._encode = encode
 
     @property
     def queued(self) -> int:
@@ -73,7 +83,7 @@ class SpeechTrack(MediaStreamTrack):
         self.played += filled
         return out
 
-    async def recv(self) -> av.AudioFrame:
+    async def recv(self) -> av.AudioFrame | av.Packet:
         if self.readyState != "live":
             raise MediaStreamError
         now = time.monotonic()
@@ -83,7 +93,13 @@ class SpeechTrack(MediaStreamTrack):
             wait = self._start + self._pts / RATE - now
             if wait > 0:
                 await asyncio.sleep(wait)
-        frame = av.AudioFrame.from_ndarray(wire.pcm16(self._take(FRAME)).reshape(1, -1), format="s16", layout="mono")
+        pcm = self._take(FRAME)
+        if self._encode is not None:
+            packet = av.Packet(self._encode(pcm))
+            packet.pts, packet.time_base = self._pts, TIME_BASE
+            self._pts += FRAME
+            return packet
+        frame = av.AudioFrame.from_ndarray(wire.pcm16(pcm).reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate, frame.pts, frame.time_base = RATE, self._pts, TIME_BASE
         self._pts += FRAME
         return frame
