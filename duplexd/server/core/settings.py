@@ -247,9 +247,10 @@ class ServerSettings(BaseSettings):
     )
     webrtc: bool = opt(
         True,
-        "serve WebRTC calls when the webrtc extra is installed (--no-webrtc: WebSocket only, e.g. where browsers "
-        "cannot reach this machine over UDP; the built-in page then talks WebSocket)",
+        "take no WebRTC calls, though the webrtc extra is installed: WebSocket only, e.g. where browsers cannot "
+        "reach this machine over UDP (the built-in page then talks WebSocket)",
         _RTC,
+        flag="--no-webrtc",
     )
     webrtc_hosts: Annotated[list[str], NoDecode] = opt(
         [],
