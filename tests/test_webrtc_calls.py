@@ -278,3 +278,23 @@ def test_ice_servers_as_aiortc_takes_them():
         ("stun:stun.example.com:3478", None, None),
         ("turn:turn.example.com:3478", "al@ce", "s3cr:t"),  # the user part, percent-decoded
     ]
+
+
+def test_a_caller_that_only_listens_hears_the_model(server):
+    """A receive-only offer (no microphone): the model steps on silence at real-time pace, so it still speaks."""
+
+    async def main():
+        caller = Caller(None)
+        answer = await caller.call(f"{server.url}/v1/realtime/calls", KEY)
+        assert answer.status == 201, answer.text
+        assert "a=sendonly" in answer.text  # the server only sends on this call
+        await caller.next_event("session.created")
+        caller.send({"type": "session.update", "session": {}})
+        await caller.next_event("output_audio_buffer.started")
+        await asyncio.sleep(1.5)
+        await caller.hang_up()
+        return caller.first_sound is not None, sum(len(h) for h in caller.heard)
+
+    sounded, samples = run(main())
+    assert sounded and samples > MIC_RATE
+    wait_idle(server)

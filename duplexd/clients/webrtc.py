@@ -80,10 +80,14 @@ def post(url: str, body: bytes, headers: dict[str, str]) -> Answer:
 class Caller:
     """One call: `call` connects, `events` gets the server's events, `heard` the decoded speech (mono, 48 kHz)."""
 
-    def __init__(self, mic: np.ndarray) -> None:
+    def __init__(self, mic: np.ndarray | None) -> None:
+        """`mic`: the microphone's audio (mono, 48 kHz); None for a caller that only listens (recvonly)."""
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        self.mic = Microphone(mic)
-        self.pc.addTrack(self.mic)
+        self.mic = Microphone(mic) if mic is not None else None
+        if self.mic is not None:
+            self.pc.addTrack(self.mic)
+        else:
+            self.pc.addTransceiver("audio", direction="recvonly")
         self.channel = self.pc.createDataChannel("oai-events")
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.opened = asyncio.Event()
@@ -168,5 +172,6 @@ class Caller:
             self._listener.cancel()
             with contextlib.suppress(BaseException):
                 await self._listener
-        self.mic.stop()
+        if self.mic is not None:
+            self.mic.stop()
         await self.pc.close()

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,7 @@ from duplexd.server.connection.pump import Pump, close_socket
 from duplexd.server.core.context import ServerContext
 from duplexd.server.realtime import events as ev
 from duplexd.server.realtime.conversation import RealtimeAdapter
+from duplexd.wire import FRAME_SIZE
 
 from . import stack
 from .channel import ChannelSocket
@@ -227,23 +230,35 @@ class Call:
             await self.hang_up()
 
     async def _listen(self) -> None:
-        """The caller's audio into the session, from the first handled event on."""
-        track, pump, heard = self._remote, self.pump, HeardAudio()
+        """The caller's audio into the session, from the first handled event on; silence at real-time pace for a
+        caller that sends none (a listen-only offer), since the model steps on its input."""
+        pump = self.pump
         assert pump is not None
-        if track is None:
-            return
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            pcm = heard(frame)
+        frames = self._frames() if self._remote is not None else self._silence()
+        async for pcm in frames:
             if self.adapter.audio_open.is_set() and len(pcm):
                 try:
                     pump.push(await self.adapter.take_audio(pcm))
                 except Close as close:  # the persona's prompt found no room: the call ends as a socket would
                     pump.end(close)
                     return
+
+    async def _frames(self) -> AsyncIterator[np.ndarray]:
+        heard = HeardAudio()
+        while True:
+            try:
+                frame = await self._remote.recv()
+            except MediaStreamError:
+                return
+            yield heard(frame)
+
+    @staticmethod
+    async def _silence() -> AsyncIterator[np.ndarray]:
+        loop, frame = asyncio.get_running_loop(), np.zeros(FRAME_SIZE, np.float32)
+        start = loop.time()
+        for n in itertools.count(1):
+            await asyncio.sleep(max(start + n * FRAME_SIZE / RATE - loop.time(), 0))
+            yield frame
 
     def end(self, close: Close) -> None:
         """End the call from the server's side (`/hangup`): the client gets `close`'s error event first."""
