@@ -64,7 +64,7 @@ def sdk_bundle() -> Path:
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("needs node and npm to fetch OpenAI's browser SDK")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duplexd-test" / "npm"
-    bundle = cache / SDK.replace("@", "-").replace("/", "_") / "sdk.js"
+    bundle = cache / SDK.lstrip("@").replace("/", "-").replace("@", "-") / "sdk.js"
     if bundle.exists():
         return bundle
     cache.mkdir(parents=True, exist_ok=True)
