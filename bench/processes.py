@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -83,6 +84,17 @@ def ending_children(grace: float = 10.0) -> Iterator[None]:
         left = descendants(os.getpid())
         if left:
             stop(left, grace)
+
+
+def metric_values(url: str, names: Sequence[str]) -> list[float]:
+    """The server's `/metrics` values of the unlabelled series `names` now (0 for one not there yet)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = []
+    for name in names:
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        values.append(float(match.group(1)) if match else 0.0)
+    return values
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180.0) -> None:

@@ -23,12 +23,10 @@ import contextlib
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +38,7 @@ from websockets.exceptions import ConnectionClosed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.host_overhead import free_port  # noqa: E402
-from bench.processes import ending_children, stop, wait_ready  # noqa: E402
+from bench.processes import ending_children, metric_values, stop, wait_ready  # noqa: E402
 
 RATE, FRAME, FRAME_S = 24000, 1920, 0.08
 REPLY = "Sure, here is what I found about that: it should be ready by tomorrow morning, if all goes well.".split()
@@ -75,14 +73,9 @@ def start_server(port: int, args: argparse.Namespace, log: Path) -> subprocess.P
 
 def step_sums(port: int) -> dict[str, tuple[float, float]]:
     """(sum, count) of each model's step-duration histogram on the server now."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for name, metric in (("stt", "duplexd_step_duration_seconds"), ("tts", "duplexd_tts_step_duration_seconds")):
-        total = re.search(rf"^{metric}_sum (\S+)$", text, re.M)
-        count = re.search(rf"^{metric}_count (\S+)$", text, re.M)
-        out[name] = (float(total.group(1)) if total else 0.0, float(count.group(1)) if count else 0.0)
-    return out
+    stt, tts = "duplexd_step_duration_seconds", "duplexd_tts_step_duration_seconds"
+    values = metric_values(f"http://127.0.0.1:{port}", [f"{stt}_sum", f"{stt}_count", f"{tts}_sum", f"{tts}_count"])
+    return {"stt": (values[0], values[1]), "tts": (values[2], values[3])}
 
 
 async def stt_stream(port: int, until: float, phase: Phase, seed: int) -> None:

@@ -23,12 +23,10 @@ import base64
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,8 +35,8 @@ from websockets.asyncio.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.host_overhead import free_port, parse_stat  # noqa: E402
-from bench.processes import ending_children, stop, wait_ready  # noqa: E402
+from bench.host_overhead import free_port, ms_per_session_s, parse_stat  # noqa: E402
+from bench.processes import ending_children, metric_values, stop, wait_ready  # noqa: E402
 
 RATE, FRAME = 24000, 1920
 
@@ -72,13 +70,8 @@ def cpu_seconds(pid: int) -> float:
 
 def counters(port: int) -> tuple[float, float]:
     """(late frames, frames out) on the server now."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    values = []
-    for name in ("duplexd_frames_late_total", "duplexd_frames_out_total"):
-        match = re.search(rf"^{name} (\S+)$", text, re.M)
-        values.append(float(match.group(1)) if match else 0.0)
-    return values[0], values[1]
+    late, out = metric_values(f"http://127.0.0.1:{port}", ["duplexd_frames_late_total", "duplexd_frames_out_total"])
+    return late, out
 
 
 def voice(seconds: float, rate: int, seed: int) -> np.ndarray:
@@ -186,7 +179,7 @@ def main() -> int:
     )
     result: dict[str, object] = {"bench": "webrtc_calls", "calls": args.calls, "seconds": args.seconds}
     for name, p in phases.items():
-        cpu = 1000 * p.cpu_s / p.session_s if p.session_s else float("nan")
+        cpu = ms_per_session_s(p.cpu_s, p.session_s)
         ttfa = sorted(p.ttfa)
         p50 = 1000 * ttfa[len(ttfa) // 2] if ttfa else float("nan")
         worst = 1000 * ttfa[-1] if ttfa else float("nan")

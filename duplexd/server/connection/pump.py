@@ -153,6 +153,15 @@ def message_size(message: dict) -> int:
     return len(data) if data is not None else len(message.get("text") or "")
 
 
+def check_size(message: dict, limit: int) -> None:
+    """`Close` (1009) for a message over `limit` bytes."""
+    size = message_size(message)
+    if size > limit:
+        raise Close(
+            CloseCode.MESSAGE_TOO_BIG, "message_too_big", f"message of {size} bytes is over the limit of {limit} bytes"
+        )
+
+
 class Pump:
     """Runs one admitted session until it ends, then always closes it (slot and pages back)."""
 
@@ -179,18 +188,13 @@ class Pump:
 
     # ------------------------------------------------------------------------------------------- the tasks
 
-    async def _read(self) -> None:
-        limits, ws = self.limits, self.adapter.ws
+    async def read(self, ws: Socket) -> None:
+        """Client messages from `ws` through the adapter into the session, until `Disconnected` or `Close`: the
+        session's own connection, or another socket acting on it (a WebRTC call's sideband)."""
         while True:
             message = await receive(ws)
             self._last_message = time.monotonic()
-            size = message_size(message)
-            if size > limits.max_message_bytes:
-                raise Close(
-                    CloseCode.MESSAGE_TOO_BIG,
-                    "message_too_big",
-                    f"message of {size} bytes is over the limit of {limits.max_message_bytes} bytes",
-                )
+            check_size(message, self.limits.max_message_bytes)
             pcm = await self.adapter.on_message(message)
             if pcm is not None and len(pcm):
                 self.push(pcm)
@@ -291,7 +295,7 @@ class Pump:
         """Pump until the session ends; returns the close sent to the client, or how it disconnected."""
         self._last_message = time.monotonic()  # the idle clock starts with the conversation, after the greeting
         tasks = [
-            asyncio.create_task(self._read(), name="ws-read"),
+            asyncio.create_task(self.read(self.adapter.ws), name="ws-read"),
             asyncio.create_task(self._write(), name="ws-write"),
             asyncio.create_task(self._watch(), name="ws-watch"),
             asyncio.create_task(self._until_ended(), name="ws-end"),

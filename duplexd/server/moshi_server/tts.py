@@ -37,7 +37,7 @@ from duplexd.server.codec.batches import Encoder
 from duplexd.server.codec.wav import pcm16, wav_header
 from duplexd.server.connection.access import key_ok
 from duplexd.server.connection.closing import Close, CloseCode, Disconnected
-from duplexd.server.connection.pump import close_socket, receive
+from duplexd.server.connection.pump import check_size, close_socket, receive
 from duplexd.server.connection.speech import open_speech, say, speech_of, spoken
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.core.speech import VoiceRefused
@@ -106,9 +106,7 @@ class TtsConnection:
         while True:
             message = await receive(self.ws)
             self.last_message = time.monotonic()
-            size = len(message.get("bytes") or message.get("text") or "")
-            if size > limit:
-                raise Close(CloseCode.MESSAGE_TOO_BIG, "message_too_big", f"message of {size} bytes over {limit}")
+            check_size(message, limit)
             try:
                 self.on_message(messages.decode(message))
             except (MessageError, VoiceRefused) as e:

@@ -7,7 +7,7 @@ resamples as one continuous signal (no edge effects at event boundaries).
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import soxr
@@ -19,7 +19,13 @@ from duplexd.server.connection.closing import Close, CloseCode
 Format = Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
 PCM: Format = "audio/pcm"
 BETA_NAMES: dict[str, Format] = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
+BETA_NAME: dict[Format, str] = {fmt: beta for beta, fmt in BETA_NAMES.items()}
 RATE = wire.SAMPLE_RATE
+
+
+def format_object(fmt: Format) -> dict[str, Any]:
+    """A format as the session object shows it (GA)."""
+    return {"type": fmt, "rate": RATE if fmt == PCM else g711.RATE}
 
 
 def _law(fmt: Format) -> g711.Law:
@@ -32,6 +38,10 @@ class InputAudio:
     def __init__(self, fmt: Format = PCM) -> None:
         self.format = fmt
         self._resampler = None if fmt == PCM else soxr.ResampleStream(g711.RATE, RATE, 1, dtype="float32")
+
+    def to(self, fmt: Format | None) -> InputAudio:
+        """This decoder, or a new one when an update asks for another format (its resampler starts afresh)."""
+        return self if fmt is None or fmt == self.format else InputAudio(fmt)
 
     def decode(self, raw: bytes) -> np.ndarray:
         """`Close` (1007) for pcm16 of an odd byte count."""
@@ -53,6 +63,10 @@ class OutputAudio:
     def __init__(self, fmt: Format = PCM) -> None:
         self.format = fmt
         self._resampler = None if fmt == PCM else soxr.ResampleStream(RATE, g711.RATE, 1, dtype="float32")
+
+    def to(self, fmt: Format | None) -> OutputAudio:
+        """This encoder, or a new one when an update asks for another format."""
+        return self if fmt is None or fmt == self.format else OutputAudio(fmt)
 
     def base64(self, pcm: np.ndarray) -> str:
         if self._resampler is None:

@@ -45,7 +45,7 @@ from duplexd.server.realtime.webrtc import sideband
 from duplexd.wire import SAMPLE_RATE
 
 from . import events as ev
-from .audio_formats import Format, InputAudio, OutputAudio
+from .audio_formats import InputAudio, OutputAudio
 from .items import UserItems
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,8 @@ class RealtimeAdapter(Adapter):
         if transcription is not None:
             self.set_transcription(pump, event, *transcription)
         self.persona = persona
-        self.set_formats(*event.formats())
+        input_format, output_format = event.formats()
+        self.input_audio, self.output_audio = self.input_audio.to(input_format), self.output_audio.to(output_format)
         if params != pump.session.params:
             pump.session.update_params(params)
         return params
@@ -161,13 +162,6 @@ class RealtimeAdapter(Adapter):
             except ev.RealtimeError as e:
                 await self.send_text(e.event())
         await self.send_text(ev.session_created(self.session_object(pump.session.params)))
-
-    def set_formats(self, input_format: Format | None, output_format: Format | None) -> None:
-        """New codecs for the formats that change (a resampler restarts only when its format does)."""
-        if input_format is not None and input_format != self.input_audio.format:
-            self.input_audio = InputAudio(input_format)
-        if output_format is not None and output_format != self.output_audio.format:
-            self.output_audio = OutputAudio(output_format)
 
     def persona_update(self, event: ev.SessionUpdate) -> Persona | None:
         """The persona after `event`; `RealtimeError` when it asks for one this session cannot have: a bad text or

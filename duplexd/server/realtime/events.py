@@ -34,10 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from duplexd import wire
 from duplexd.engine.dialogue.sampling import MAX_REPETITION_CONTEXT, SamplingParams
 from duplexd.engine.transcription.transcriber import instruction
-from duplexd.server.codec import g711
 from duplexd.server.connection.closing import Close, CloseCode
 
-from .audio_formats import BETA_NAMES, PCM, Format, InputAudio
+from .audio_formats import BETA_NAMES, PCM, Format, InputAudio, format_object
 
 SUBPROTOCOL = "realtime"
 SAMPLE_RATE = wire.SAMPLE_RATE
@@ -374,10 +373,6 @@ def session_object(
         },
         "max_session_seconds": max_seconds,
     }
-
-
-def format_object(fmt: Format) -> dict[str, Any]:
-    return {"type": fmt, "rate": SAMPLE_RATE if fmt == PCM else g711.RATE}
 
 
 def session_created(session: dict[str, Any]) -> str:

@@ -130,8 +130,7 @@ class TranscriptionAdapter(Adapter):
         settings = event.settings()
         if "transcription" in settings.given:
             self.transcription = settings.transcription or ev.TranscriptionSettings()
-        if settings.input_format is not None and settings.input_format != self.input_audio.format:
-            self.input_audio = InputAudio(settings.input_format)
+        self.input_audio = self.input_audio.to(settings.input_format)
         if "turn_detection" in settings.given:
             self.turn_detection = settings.turn_detection
             self.turns.detection = self.turn_detection.detection() if self.turn_detection is not None else None

@@ -21,19 +21,8 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from duplexd.server.stt.turns import TurnDetection
 
-from .audio_formats import BETA_NAMES, PCM, Format
-from .events import (
-    AudioAppend,
-    AudioFormat,
-    BetaFormat,
-    ClientEvent,
-    RealtimeError,
-    TranscriptionSettings,
-    format_object,
-    refusal,
-)
-
-BETA_FORMAT_NAMES = {fmt: beta for beta, fmt in BETA_NAMES.items()}
+from .audio_formats import BETA_NAME, BETA_NAMES, PCM, Format, format_object
+from .events import AudioAppend, AudioFormat, BetaFormat, ClientEvent, RealtimeError, TranscriptionSettings, refusal
 
 INTENT = "transcription"  # the `intent` query parameter that asks for such a session
 SEMANTIC_SILENCE_S = {"high": 1.0, "medium": 2.0, "auto": 2.0, "low": 3.0}  # Kyutai's own end of turn: 2 s
@@ -210,7 +199,7 @@ def session_object(
             }
         },
         "include": None,
-        "input_audio_format": BETA_FORMAT_NAMES[input_format],  # the beta names
+        "input_audio_format": BETA_NAME[input_format],  # the beta names
         "input_audio_transcription": shown,
         "turn_detection": detection,
         "input_audio_noise_reduction": None,

@@ -73,20 +73,18 @@ class CallAdapter(RealtimeAdapter):
                 self.sidebands.discard(ws)
 
     async def on_message(self, message: dict) -> np.ndarray | None:
-        text = message.get("text")
-        kind = _event_type(text) if text is not None else None
-        if kind == "output_audio_buffer.clear":
-            await self.clear_output(json.loads(text or "{}").get("event_id"))
-            pcm = None
-        elif kind == "conversation.item.retrieve":
-            await self.send_text(self.retrieved(json.loads(text or "{}")))
-            pcm = None
-        else:
+        event = _call_event(message.get("text"))
+        pcm = None
+        if event is None:
             pcm = await super().on_message(message)
+        elif event["type"] == "output_audio_buffer.clear":
+            await self.clear_output()
+        else:
+            await self.send_text(self.retrieved(event))
         self.audio_open.set()
         return pcm
 
-    async def clear_output(self, event_id: str | None) -> None:
+    async def clear_output(self) -> None:
         """`output_audio_buffer.clear`: the speech not sent yet is dropped; the assistant's item is truncated to
         what went out (the server knows it: the client cannot, over WebRTC)."""
         self.track.clear()
@@ -138,14 +136,19 @@ class CallAdapter(RealtimeAdapter):
         self.sidebands.clear()
 
 
-def _event_type(text: str) -> str | None:
-    """The type of a client event that only a call handles, read cheaply (the rest go to the shared parser)."""
-    if '"output_audio_buffer.clear"' not in text and '"conversation.item.retrieve"' not in text:
+CALL_EVENTS = ("output_audio_buffer.clear", "conversation.item.retrieve")
+
+
+def _call_event(text: str | None) -> dict | None:
+    """A client event that only a call handles, parsed; None for the rest (the shared parser takes them). The
+    text is searched before it is parsed: every other event skips the extra JSON pass."""
+    if text is None or not any(f'"{kind}"' in text for kind in CALL_EVENTS):
         return None
-    with contextlib.suppress(ValueError, AttributeError):
-        kind = json.loads(text).get("type")
-        return kind if isinstance(kind, str) else None
-    return None
+    try:
+        event = json.loads(text)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and event.get("type") in CALL_EVENTS else None
 
 
 class Call:

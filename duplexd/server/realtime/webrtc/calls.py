@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from duplexd.engine.errors import CapacityError
-from duplexd.server.connection.access import key_ok, origin_ok
+from duplexd.server.connection.access import access_denied, presented_key
 from duplexd.server.connection.client_secrets import ClientSecret
 from duplexd.server.connection.closing import Close, CloseCode
 from duplexd.server.connection.query import BadQuery, sampling_from_query
@@ -58,10 +58,12 @@ def _own(session: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_access(request: Request, ctx: ServerContext, minted_ok: bool = True) -> None:
-    if not key_ok(request, ctx.settings.api_key, ctx.client_secrets if minted_ok else None):
-        raise ApiError(401, "missing or wrong API key", "invalid_api_key")
-    if not origin_ok(request, ctx.settings.allowed_origins):
-        raise ApiError(403, f"origin {request.headers.get('origin')} is not allowed", "origin_not_allowed")
+    """`access_denied`'s refusal as HTTP: 401 for the key, 403 for the origin."""
+    denied = access_denied(
+        request, ctx.settings.api_key, ctx.settings.allowed_origins, ctx.client_secrets if minted_ok else None
+    )
+    if denied:
+        raise ApiError(401 if denied[0] == "invalid_api_key" else 403, denied[1], denied[0])
 
 
 async def _offer(request: Request) -> tuple[str, dict[str, Any] | None]:
@@ -106,7 +108,7 @@ async def create_call(request: Request, ctx: Context) -> Response:
         raise ApiError(501, stack.EXTRA_MISSING, "webrtc_unavailable")
     sdp, config = await _offer(request)
     if config is None:
-        key = ctx.client_secrets.get(_bearer(request))
+        key = ctx.client_secrets.get(presented_key(request))
         config = key.session if key is not None else None
     config = _own(config) if config else None
     runtime, metrics = ctx.runtime, ctx.metrics
@@ -155,11 +157,6 @@ async def end_calls(ctx: ServerContext, timeout: float = 5.0) -> None:
     tasks = [call.task for call in calls if call.task is not None]
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
-
-
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
 @router.post("/v1/realtime/calls/{call_id}/hangup")

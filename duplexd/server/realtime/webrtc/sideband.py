@@ -17,7 +17,7 @@ from starlette.websockets import WebSocket
 
 from duplexd.server.connection.access import access_denied
 from duplexd.server.connection.closing import Close, CloseCode, Disconnected
-from duplexd.server.connection.pump import close_socket, message_size, receive
+from duplexd.server.connection.pump import close_socket
 from duplexd.server.core.context import ServerContext
 from duplexd.server.realtime import events as ev
 
@@ -27,31 +27,24 @@ logger = logging.getLogger(__name__)
 async def attach(ws: WebSocket, ctx: ServerContext, call_id: str, subprotocol: str | None) -> None:
     """Serve one sideband socket until it or its call ends."""
     await ws.accept(subprotocol=subprotocol)
-    denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)  # the server's key only
     call: Any = ctx.calls.get(call_id)
-    if denied or call is None or call.pump is None:
-        code, why = denied or ("call_id_not_found", f"no call {call_id!r} in progress")
-        await ws.send_text(ev.error_event(code, why))
-        await ws.close(CloseCode.POLICY_VIOLATION, why[:123])
-        return
-    adapter, pump = call.adapter, call.pump
-    adapter.sidebands.add(ws)
-    logger.info("call %s: sideband attached", call_id)
     try:
-        await ws.send_text(ev.session_created(adapter.session_object(pump.session.params)))
-        while True:
-            message = await receive(ws)
-            if message_size(message) > ctx.settings.max_message_bytes:
-                raise Close(CloseCode.MESSAGE_TOO_BIG, "message_too_big", "message over the size limit")
-            pcm = await adapter.on_message(message)
-            if pcm is not None and len(pcm):
-                pump.push(pcm)
+        denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)  # the server's key only
+        if denied:
+            raise Close(CloseCode.POLICY_VIOLATION, *denied)
+        if call is None or call.pump is None:
+            raise Close(CloseCode.POLICY_VIOLATION, "call_id_not_found", f"no call {call_id!r} in progress")
+        call.adapter.sidebands.add(ws)
+        logger.info("call %s: sideband attached", call_id)
+        await ws.send_text(ev.session_created(call.adapter.session_object(call.pump.session.params)))
+        await call.pump.read(ws)  # its events act on the call, as the caller's do
     except Disconnected:
         pass
-    except Close as close:  # a fatal event on the sideband ends the sideband, not the call
+    except Close as close:  # refused, or a fatal event on the sideband: that ends the sideband, not the call
         with contextlib.suppress(Exception):
             await ws.send_text(ev.close_error(close))
         await close_socket(ws, close, ctx.settings.send_timeout)
     finally:
-        adapter.sidebands.discard(ws)
-        logger.info("call %s: sideband detached", call_id)
+        if call is not None and ws in call.adapter.sidebands:
+            call.adapter.sidebands.discard(ws)
+            logger.info("call %s: sideband detached", call_id)
