@@ -1,14 +1,17 @@
 """Real-time Kyutai TTS streams on one GPU: `TTSGen` with the 1.6B's config and random weights, words streamed.
 
 Usage: python bench/gpu_tts.py [--preset tts-1.6b|demo-tts] [--device cuda:0] [--dtype bfloat16]
-                               [--batches 1 32 64 128] [--steps 120] [--words-per-s 10] [--out DIR]
+                               [--batches 1 32 64 128] [--steps 120] [--words-per-s 10] [--no-graphs] [--out DIR]
 Every stream says its own text in its own random voice: its first three words at once (the next word and the two
 the lookahead stream needs: an LLM's first tokens come fast), then `--words-per-s` more a second, as an LLM streams
 them, and it steps only when it has them (`TTSGen.ready`). For each batch B, B streams start together and step
 together; a step is the whole TTS step (temporal step with cross-attention, the host's words, the 32-step
-DepFormer) timed on the host, which waits for the device at the step's copy back. Mimi's decoder is not run. Per
-batch: p50/p99 step, and time to first audio (from a stream's start to its first frame that carries audio: the
-16-frame audio delay and the 2-frame codebook delay, computed as fast as the batch goes), p50/p99 over the
+DepFormer) timed on the host, which waits for the device at the step's copy back; on CUDA each half is a captured
+graph at the batch's bucket (`--no-graphs`: eager), as the speech service runs it, and elsewhere the same padded
+halves run eagerly. Mimi's decoder is not run. Per batch: p50/p99 step; the split's cost (the step's p50 less the
+two halves replayed back to back with no host part between, the text left on the device); time to first audio
+(from a stream's start to its first frame that carries audio: the 16-frame audio delay and the 2-frame codebook
+delay, computed as fast as the batch goes), p50/p99 over the
 streams. A batch is real-time when its p99 step is <= 80 ms. Goal on an H200: >= 128 real-time streams with time
 to first audio p50 <= 150 ms (Kyutai: 32 at 350 ms on an L40S). Writes tts.json (and tts.md) into --out; the last
 line printed is one JSON object. On a CPU with the demo model it is the suite's dry run.
@@ -87,16 +90,40 @@ def run_batch(gen: TTSGen, batch: int, steps: int, rate: float, voices: list[tor
                 first[slot] = done
     ms = [1000 * t for t in times[2:]] or [1000 * t for t in times]  # the first steps warm the caches up
     ttfa = [1000 * t for t in first if t is not None]
-    p99 = percentile(ms, 0.99)
+    p50, p99 = percentile(ms, 0.5) or 0.0, percentile(ms, 0.99)
+    halves = halves_ms(gen, list(range(batch)))
     return {
         "batch": batch,
         "steps": len(ms),
-        "p50_ms": round(percentile(ms, 0.5) or 0, 2),
+        "p50_ms": round(p50, 2),
         "p99_ms": round(p99 or 0, 2),
+        "halves_ms": round(halves, 2),
+        "split_ms": round(p50 - halves, 2),
         "ttfa_ms_p50": round(percentile(ttfa, 0.5) or 0, 1) if ttfa else None,
         "ttfa_ms_p99": round(percentile(ttfa, 0.99) or 0, 1) if ttfa else None,
         "realtime": p99 is not None and p99 <= BUDGET_MS,
     }
+
+
+def halves_ms(gen: TTSGen, slots: list[int], repeats: int = 20) -> float:
+    """Mean ms of the step's two halves replayed back to back for `slots`, the text staying on the device (no copy
+    back, no words): the step without its split."""
+    device = gen.offsets.device
+    index = torch.tensor(slots, dtype=torch.long, device=device)
+    text = torch.zeros(len(slots), dtype=torch.long, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    started = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(repeats):
+            hidden, _, _ = gen.bucketed_listen(index)
+            gen.bucketed_speak(index, text, hidden)
+    sync()
+    return 1000 * (time.perf_counter() - started) / repeats
 
 
 def main() -> int:
@@ -107,6 +134,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])
     parser.add_argument("--steps", type=int, default=120, help="steps a batch (enough past the audio delay)")
     parser.add_argument("--words-per-s", type=float, default=10.0)
+    parser.add_argument("--no-graphs", action="store_true", help="run the halves eagerly on CUDA")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     device = torch.device(check_device(args.device))
@@ -122,16 +150,24 @@ def main() -> int:
             p.normal_(0.0, p.shape[0] ** -0.5)
     voices = [torch.randn(speaker_dim, tts.speaker_frames, generator=torch.Generator().manual_seed(k)) for k in (1, 2)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{args.preset} on {name} ({args.dtype}): words at {args.words_per_s:g}/s, {args.steps} steps a batch")
+    graphs = device.type == "cuda" and not args.no_graphs
+    print(
+        f"{args.preset} on {name} ({args.dtype}): words at {args.words_per_s:g}/s, {args.steps} steps a batch, "
+        f"{'CUDA graphs' if graphs else 'eager'}"
+    )
     results = []
     for batch in args.batches:
-        gen = TTSGen(lm, conditioner, tts, num_slots=batch)
-        result = run_batch(gen, batch, args.steps, args.words_per_s, voices)
+        gen = TTSGen(lm, conditioner, tts, num_slots=batch, buckets=(batch,), graphs=graphs, pad=True)
+        t0 = time.perf_counter()
+        gen.capture()
+        capture_s = time.perf_counter() - t0
+        result = {**run_batch(gen, batch, args.steps, args.words_per_s, voices), "capture_s": round(capture_s, 1)}
         results.append(result)
         late = "" if result["realtime"] else " (NOT real-time)"
         print(
-            f"batch {batch}: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, first audio p50 "
-            f"{result['ttfa_ms_p50']} ms, p99 {result['ttfa_ms_p99']} ms{late}"
+            f"batch {batch}: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms (halves alone {result['halves_ms']} "
+            f"ms, split {result['split_ms']} ms), first audio p50 {result['ttfa_ms_p50']} ms, p99 "
+            f"{result['ttfa_ms_p99']} ms{late}; captured in {capture_s:.1f} s"
         )
         del gen
         if device.type == "cuda":
@@ -141,18 +177,19 @@ def main() -> int:
         "bench": "gpu_tts",
         "device": name,
         "preset": args.preset,
+        "graphs": graphs,
         "realtime_streams": max(ok) if ok else 0,
         "batches": results,
         "ttfa_ms_p50_b1": next((r["ttfa_ms_p50"] for r in results if r["batch"] == 1), None),
     }
     lines = [
-        f"{args.preset} on {name}, words at {args.words_per_s:g}/s",
+        f"{args.preset} on {name}, words at {args.words_per_s:g}/s, {'CUDA graphs' if graphs else 'eager'}",
         "",
-        "| streams | p50 ms | p99 ms | first audio p50 ms | p99 ms | p99 step <= 80 ms |",
-        "|---:|---:|---:|---:|---:|---|",
+        "| streams | p50 ms | p99 ms | halves alone ms | split ms | first audio p50 ms | p99 ms | p99 step <= 80 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
         *(
-            f"| {r['batch']} | {r['p50_ms']} | {r['p99_ms']} | {r['ttfa_ms_p50']} | {r['ttfa_ms_p99']} | "
-            f"{'yes' if r['realtime'] else 'no'} |"
+            f"| {r['batch']} | {r['p50_ms']} | {r['p99_ms']} | {r['halves_ms']} | {r['split_ms']} | "
+            f"{r['ttfa_ms_p50']} | {r['ttfa_ms_p99']} | {'yes' if r['realtime'] else 'no'} |"
             for r in results
         ),
     ]

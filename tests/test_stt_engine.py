@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from duplexd.engine.dialogue.graphs import default_buckets
 from duplexd.engine.dialogue.pipeline import Pipeline
 from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.graphs import default_buckets
 from duplexd.engine.models.config import DEMO_MIMI_32, DEMO_STT
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.weights.demo import random_lm

@@ -33,7 +33,7 @@ TTS = TTSConfig(
 @pytest.fixture(scope="module")
 def gen() -> TTSGen:
     lm = build_lm(TTS_1_6B, device="meta", dtype=torch.bfloat16)
-    gen = TTSGen(lm, None, TTS, num_slots=5)  # type: ignore[arg-type]  # no session starts: no conditioner
+    gen = TTSGen(lm, None, TTS, num_slots=5, buckets=(4, 8), pad=True)  # type: ignore[arg-type]  # no conditioner
     for slot in range(5):
         gen.states[slot] = WordFeeder(TTS_1_6B.text_in_card).start([])
     return gen
@@ -55,3 +55,17 @@ def test_the_device_halves_of_a_step_do_no_host_work(gen, no_launch, greedy, spe
     assert "_split_kernel" in no_launch  # the temporal step ran its paged attention
     if not greedy:
         assert "_sample_kernel" in no_launch
+
+
+def test_the_halves_at_a_bucket_as_graphs_capture_them_do_no_host_work(gen, no_launch):
+    """What a CUDA graph of each half holds: three rows padded to a bucket of four with the scratch slot, every row
+    sampled and through the DepFormer."""
+    index = torch.tensor([0, 2, 4], device="meta")
+    text = torch.zeros(3, dtype=torch.long, device="meta")
+    with force_triton(), HostWork() as host:
+        hidden, sampled, offsets = gen.bucketed_listen(index)
+        out, valid = gen.bucketed_speak(index, text, hidden)
+    assert not host.ops, "host work in a TTS step's bucketed halves:\n" + "\n".join(map(str, host.ops))
+    assert hidden.shape == (3, TTS_1_6B.dim) and sampled.shape == (3,) and offsets.shape == (3,)
+    assert out.shape == (3, 1 + TTS_1_6B.dep_q) and valid.shape == (3,)
+    assert gen.bucketed_listen.bucket(3) == 4 and "_sample_kernel" in no_launch

@@ -173,16 +173,18 @@ def test_a_batch_matches_generate(models):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.6])
-def test_sessions_at_different_positions_match_each_alone(models, temperature):
+@pytest.mark.parametrize("pad", [False, True])
+def test_sessions_at_different_positions_match_each_alone(models, temperature, pad):
     """Slot 1 starts 7 steps after slot 0 (so one is in its audio delay while the other speaks) and slot 0 ends
-    first; each gives the frames it gives alone, greedy or sampled."""
+    first; each gives the frames it gives alone, greedy or sampled. With `pad`, every step runs as a CUDA graph
+    runs it: at a bucket of 4 rows (the others the scratch slot's), every row sampled and through the DepFormer."""
     _, model, conditioner, tts, voices = models
     scripts = [script_words([text], encode) for text in SCRIPTS]
     alone = [
         generate(TTSGen(model, conditioner, tts, 1), [words], [Voice((voices[k][0],))], temperature, seed=k)[0].frames
         for k, words in enumerate(scripts)
     ]
-    gen = TTSGen(model, conditioner, tts, num_slots=3)
+    gen = TTSGen(model, conditioner, tts, num_slots=3, buckets=(4,), pad=pad)
     frames: list[list[list[int]]] = [[], []]
     gen.start(2, scripts[0], Voice((voices[0][0],)))  # slot 2 runs alongside, to be left out of a step
     for step in range(len(alone[1]) + 30):
@@ -199,6 +201,7 @@ def test_sessions_at_different_positions_match_each_alone(models, temperature):
             if slot < 2 and valid[row]:
                 frames[slot].append(out[row].tolist())
     assert frames == alone
+    assert (int(gen.offsets[gen.scratch]) > 0) == pad  # the padding rows ran, in the scratch slot
 
 
 @pytest.mark.parametrize("change", ["word", "voice", "cfg"])

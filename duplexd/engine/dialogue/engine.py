@@ -27,6 +27,7 @@ import torch
 
 from ..devices import check_kv_dtype
 from ..errors import DeviceError
+from ..graphs import default_buckets
 from ..kv.dtypes import KV_DTYPES
 from ..kv.paged import PagedKVCache, window_pages
 from ..listeners import Listeners
@@ -36,7 +37,6 @@ from ..models.mimi import MimiModel, MimiStreams
 from ..models.tokenizer import TextTokenizer
 from ..persona.prompt import PersonaPrompt
 from ..turns import DeviceTurns, maybe_turn
-from .graphs import default_buckets
 from .pipeline import Pipeline
 from .runner import Runner
 from .sampling import SamplingParams

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..graphs import BucketedCall, default_buckets
 from ..kv.paged import PagedKVCache
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel, MimiStreams, Rows
 from ..persona.prompt import PersonaPrompt, PromptChunk
-from .graphs import BucketedCall, default_buckets
 from .lm_gen import LMGen
 from .sampling import SamplingParams
 

@@ -6,6 +6,11 @@ and that text goes up for the DepFormer, which samples the slot's 32 audio codeb
 `delay + delay_steps` steps (its codebook's delay plus the audio delay) is forced to the zero token, as moshi's
 `TTSModel` does. Outputs are realigned as moshi's `LMGen` returns them: row n, given at step n + max_delay, holds
 the text read at step n and the audio of the same frame (`TTSResult.frames`).
+
+With `pad` (and on CUDA `graphs`) each half runs at its batch bucket (`BucketedCall`): the padding rows run as the
+scratch slot (one row past the last slot, the KV cache's scratch slot), every row is sampled (temperature 0 is the
+argmax) and the DepFormer runs for every row, the audio of a slot inside its delay masked after it, so the shapes
+depend on the bucket alone and each half is one captured graph a bucket.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 
 from duplexd.kernels.sampling import sample
 
+from ..graphs import BucketedCall, default_buckets
 from ..kv.paged import window_pages
 from ..models.lm import LMModel
 from .conditioning import Conditioner
@@ -60,6 +66,10 @@ class TTSGen:
         max_padding: int = 8,
         initial_padding: int = 2,
         final_padding: int = 4,
+        *,
+        buckets: Sequence[int] | None = None,
+        graphs: bool = False,
+        pad: bool = False,
     ) -> None:
         cfg = model.cfg
         if not cfg.speaks_text:
@@ -68,7 +78,8 @@ class TTSGen:
         self.model, self.cfg, self.tts, self.conditioner = model, cfg, tts, conditioner
         self.feeder = WordFeeder(cfg.text_in_card, tts.second_stream_ahead, max_padding, initial_padding)
         self.ring_size = cfg.max_delay + 2
-        rows = num_slots
+        self.scratch = num_slots  # padding rows of a bucket run here; the KV cache's scratch slot too
+        rows = num_slots + 1
         self.ring = torch.full((rows, cfg.num_codebooks, self.ring_size), UNGENERATED, device=device)
         self.offsets = torch.zeros(rows, dtype=torch.long, device=device)
         self.kv = model.new_kv_cache(num_slots, num_slots * window_pages(cfg.context, page_size), page_size)
@@ -87,6 +98,28 @@ class TTSGen:
         self.greedy = [True] * num_slots  # host copies of `temperature == 0`: an all-greedy step takes argmaxes
         self.steps = [0] * num_slots  # host copies of the slots' offsets: the steps each session has taken
         self.final_padding = final_padding
+        scratch = torch.full((1,), self.scratch, dtype=torch.long, device=device)
+        buckets = buckets or default_buckets(num_slots)
+        self.bucketed_listen = BucketedCall(
+            lambda index: self.listen(index, False), (scratch,), buckets, graphs=graphs, pad=pad
+        )
+        self.bucketed_speak = BucketedCall(
+            lambda index, text, hidden: self.speak(index, text, hidden, False),
+            (
+                scratch,
+                torch.zeros(1, dtype=torch.long, device=device),
+                torch.zeros(1, cfg.dim, dtype=self.sums.dtype, device=device),
+            ),
+            buckets,
+            graphs=graphs,
+            pad=pad,
+        )
+
+    def capture(self, pool=None) -> None:
+        """Capture both halves' CUDA graphs (one per bucket each, in one memory pool); a no-op without graphs."""
+        pool = pool if pool is not None or not self.bucketed_listen.use_graphs else torch.cuda.graph_pool_handle()
+        self.bucketed_listen.capture("capturing TTS listen graphs", pool)
+        self.bucketed_speak.capture("capturing TTS speak graphs", pool)
 
     def start(self, slot: int, words: Sequence[Word], voice: Voice, temperature: float = 0.0, seed: int = 0) -> None:
         """A new session in `slot`: its words, its voice's keys and values and its sum vector, from position 0."""
@@ -140,9 +173,10 @@ class TTSGen:
         sends up the text the words decide (one copy)."""
         device = self.offsets.device
         index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        bucketed = self.bucketed_listen.pad
         greedy = all(self.greedy[slot] for slot in slots)  # sampling's noise and top-k are a quarter of a CPU step
         with turn():
-            hidden, sampled, offsets = self.listen(index, greedy)
+            hidden, sampled, offsets = self.bucketed_listen(index) if bucketed else self.listen(index, greedy)
             sampled_list, positions = sampled.tolist(), offsets.tolist()
         read = []  # the host's part of the step: each slot's words decide the text the model reads
         for slot, offset, token in zip(slots, positions, sampled_list, strict=True):
@@ -150,10 +184,15 @@ class TTSGen:
             self.steps[slot] = offset + 1
         # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
         # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.
+        text = torch.tensor(read, device=device)
+        if bucketed:
+            with turn():
+                out, valid = self.bucketed_speak(index, text, hidden)
+                return out, valid
         speaking = [row for row, offset in enumerate(positions) if offset >= self.tts.delay_steps]
         rows = None if len(speaking) == len(slots) else torch.tensor(speaking, dtype=torch.long, device=device)
         with turn():
-            return self.speak(index, torch.tensor(read, device=device), hidden, greedy, rows)
+            return self.speak(index, text, hidden, greedy, rows)
 
     def _pick(self, index: torch.Tensor, greedy: bool, logits: torch.Tensor, top_k: int, stream: int) -> torch.Tensor:
         if greedy:

@@ -6,7 +6,8 @@ takes it (`WordTaken`, with its step, which moshi-server times `Text` messages b
 (`SpeechChunk`, 24 kHz, clamped to ±0.99 as moshi-server's worker clamps it) and, once its text and the audio delay
 behind it are said, `SpeechEnd` with its step count. The loop thread steps every stream that is `ready` (its next
 words are there), so a stream waiting for words never holds up the others, and sleeps when none is. A stream that
-closes frees its slot at the next step.
+closes frees its slot at the next step. With `graphs` (CUDA) each half of the step is a captured graph a batch
+bucket (`TTSGen`), captured on the loop thread before `start` returns.
 """
 
 from __future__ import annotations
@@ -94,9 +95,19 @@ class _Slot:
 
 
 class SpeechService:
-    def __init__(self, model: TTSModel, max_streams: int, final_padding: int = 4, threads: int = 1) -> None:
+    def __init__(
+        self, model: TTSModel, max_streams: int, final_padding: int = 4, threads: int = 1, graphs: bool = False
+    ) -> None:
         self.model, self.max_streams, self.threads = model, max_streams, threads
-        self.gen = TTSGen(model.lm, model.conditioner, model.tts, num_slots=max_streams, final_padding=final_padding)
+        self.gen = TTSGen(
+            model.lm,
+            model.conditioner,
+            model.tts,
+            num_slots=max_streams,
+            final_padding=final_padding,
+            graphs=graphs,
+            pad=graphs,
+        )
         self.mimi = MimiStreams(model.mimi, max_streams)
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
@@ -105,13 +116,21 @@ class SpeechService:
         self._free = list(range(max_streams))
         self._running = False
         self._thread: threading.Thread | None = None
+        self._warm = threading.Event()
+        self._start_error: BaseException | None = None
         self.on_step: Listeners[[float, int]] = Listeners("speech step")  # (seconds, streams stepped)
         self.turns: DeviceTurns | None = None  # set when another model's loop steps on this device (`turns`)
 
     def start(self) -> None:
+        """Start the loop thread and wait until it is warm (its graphs captured, with `graphs`)."""
         self._running = True
-        self._thread = threading.Thread(target=self._loop, name="tts-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tts-loop", daemon=True)
         self._thread.start()
+        self._warm.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._start_error
 
     def stop(self) -> None:
         with self.lock:
@@ -180,9 +199,22 @@ class SpeechService:
         self.gen.states[slot.stream.slot] = None
         self._free.append(slot.stream.slot)
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
         torch.set_num_threads(self.threads)  # its own OpenMP pool (per thread): see engine.dialogue.engine
         torch.set_grad_enabled(False)
+        try:
+            device = self.gen.offsets.device
+            if device.type == "cuda":  # per thread: graphs, streams and Triton launch on the current device
+                torch.cuda.set_device(device)
+            self.gen.capture()
+        except BaseException as e:  # noqa: BLE001 - handed to start()
+            self._start_error = e
+            return
+        finally:
+            self._warm.set()
+        self._loop()
+
+    def _loop(self) -> None:
         while True:
             with self.lock:
                 self._wake.wait_for(lambda: not self._running or self._commands or self._runnable(), timeout=0.5)

@@ -42,5 +42,5 @@ def speech_memory(
     page = PagedKVCache.page_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, PAGE_SIZE, dtype)
     kv = (streams * window_pages(cfg.context, PAGE_SIZE) + 1) * page
     sources = tts.max_speakers * tts.speaker_frames
-    voices = cfg.num_layers * 2 * streams * cfg.num_heads * sources * cfg.head_dim * dtype.itemsize
+    voices = cfg.num_layers * 2 * (streams + 1) * cfg.num_heads * sources * cfg.head_dim * dtype.itemsize
     return SpeechMemory(weights, kv, voices, MimiStreams.state_bytes(mimi, streams))

@@ -120,7 +120,12 @@ def load_speech(settings: ServerSettings, device: str, dtype: torch.dtype) -> Sp
     default = default_voice(settings, list(voices))
     tts = model.tts
     cfg_value = cfg_table_value(settings, tts)
-    service = SpeechService(model, settings.tts_streams, final_padding=FINAL_PADDING + model.lm.cfg.max_delay)
+    service = SpeechService(
+        model,
+        settings.tts_streams,
+        final_padding=FINAL_PADDING + model.lm.cfg.max_delay,
+        graphs=settings.cuda_graphs and torch.device(device).type == "cuda",
+    )
     model_id = "duplexd-demo-tts" if demo else folder.resolve().name
     logger.info(
         "text to speech: %s on %s (%s), %d voices (default %s), %d streams, loaded in %.1f s",
