@@ -47,6 +47,24 @@ def test_speak_writes_the_audio_after_the_delay_and_every_frame(env, tmp_path):
     assert float((audio**2).mean()) > 0
 
 
+def test_int8_weights_say_the_same_words_in_other_frames(env, tmp_path):
+    """`--weights-dtype int8`: the projections quantized as they load; the words are said (the same text tokens
+    in order) and the audio codes move (the quantization is applied)."""
+    rows = {}
+    for dtype in ("bf16", "int8"):
+        tokens = tmp_path / f"{dtype}.jsonl"
+        argv = ["speak", "Hi there, you.", "--out", str(tmp_path / f"{dtype}.wav"), "--tokens-out", str(tokens)]
+        assert main([*argv, "--temp", "0", "--weights-dtype", dtype]) == 0
+        rows[dtype] = [json.loads(line) for line in tokens.read_text().splitlines()]
+    card = DEMO_TTS.text_in_card
+
+    def words(frames: list[dict]) -> list[int]:
+        return [r["text"] % card for r in frames if 3 < r["text"] % card < card - 1]
+
+    assert words(rows["int8"]) == words(rows["bf16"]) and words(rows["bf16"])
+    assert [r["audio"] for r in rows["int8"]] != [r["audio"] for r in rows["bf16"]]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

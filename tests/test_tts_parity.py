@@ -13,6 +13,7 @@ import torch
 from moshi.models.tts import Entry, StateMachine, TokenIds, script_to_entries
 from safetensors.torch import save_file
 
+from duplexd.engine.models.int8_weights import int8_names
 from duplexd.engine.tts.checkpoint import load_conditioner
 from duplexd.engine.tts.conditioning import Conditioner
 from duplexd.engine.tts.config import tts_config_from_dict
@@ -22,7 +23,7 @@ from duplexd.engine.tts.words import Word, WordFeeder, script_words
 from duplexd.engine.weights.checkpoint import load_lm
 from duplexd.engine.weights.config_file import lm_config_from_dict
 
-from .ref_models import reference_tts, tuned_tts_lm
+from .ref_models import quantized_reference, reference_tts, tuned_tts_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -285,3 +286,34 @@ def test_words_streamed_one_a_step_give_generates_frames(models):
     assert waited == 2  # the first word's two lookahead words came with the next two calls
     late = gen.states[1]  # four words, no end: it took two and waits for more, never past its words
     assert late is not None and len(late.consumed_at) == 2 and late.end_step is None and not gen.ready(1)
+
+
+def test_a_q8_file_as_moshi_writes_it_says_what_moshi_says_on_its_weights(models, tmp_path):
+    """moshi's q8 model (every Linear a `QLinear`: the projections, and the cross-attention, the demux matrices, the
+    low-rank DepFormer embeddings and the conditioners' projections too) saved as its file: duplexd holds the
+    projections as int8 weights, dequantizes the rest as it loads, and gives the frames of moshi's generate on the
+    dequantized weights (fp32); the float file quantized as it loads holds the same codes, and the frames differ
+    from the float model's (the quantization is applied)."""
+    ref_lm, float_model, _, tts, voices = models
+    q8, dequantized = quantized_reference(ref_lm)
+    path = tmp_path / "tts.q8.safetensors"
+    save_file({k: v.contiguous() for k, v in q8.state_dict().items()}, str(path))
+    cfg = lm_config_from_dict(RAW)
+    model = load_lm(path, cfg)
+    names = int8_names(model)
+    assert len(names) == 4 * 3 + 4 * 2 + 3  # temporal and DepFormer projections, dep_in, dep_heads, the text head
+    conditioner = Conditioner(tts, cfg.dim)
+    load_conditioner(conditioner, path)
+    scripts = [script_words([text], encode) for text in SCRIPTS]
+    theirs = reference_generate(dequantized, scripts, [voices[0][1], voices[1][1]])
+    ours = generate(TTSGen(model, conditioner, tts, 2), scripts, [Voice((voices[k][0],)) for k in (0, 1)])
+    for b, result in enumerate(ours):
+        assert result.frames == [f[b, :, 0].tolist() for f in theirs.frames], f"script {b}"
+    floats = duplexd_generate(models, scripts, [0, 1])
+    assert [r.frames for r in ours] != [r.frames for r in floats]
+    float_path = tmp_path / "tts.safetensors"
+    save_file({k: v.contiguous() for k, v in ref_lm.state_dict().items()}, str(float_path))
+    quantized = load_lm(float_path, cfg, weights_dtype="int8", int8_text_head=True)
+    assert int8_names(quantized) == names
+    for name in names:
+        assert torch.equal(quantized.get_submodule(name).codes, model.get_submodule(name).codes), name

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from duplexd.engine.errors import CapacityError, SessionClosed
+from duplexd.engine.models.int8_weights import int8_names
 from duplexd.engine.models.mimi import MimiStreams
 from duplexd.engine.tts.demo import DEMO_VOICES, demo_tts_folder
 from duplexd.engine.tts.generate import TTSGen, Voice, generate
@@ -101,3 +102,15 @@ def collect_rest(stream) -> bool:
     while stream.get(timeout=30) is not None:
         pass
     return True
+
+
+def test_the_served_model_takes_its_weights_dtype(tmp_path, monkeypatch):
+    """`serve --tts demo-tts --tts-weights-dtype int8`: the speech service's LM holds int8 projections; by default
+    as the file stores them (float)."""
+    from duplexd.server.core.settings import ServerSettings
+    from duplexd.server.core.speech import load_speech
+
+    monkeypatch.setenv("DUPLEXD_CACHE", str(tmp_path))
+    for dtype, int8 in ((None, False), ("int8", True)):
+        speech = load_speech(ServerSettings(tts="demo-tts", tts_weights_dtype=dtype), "cpu", torch.float32)
+        assert bool(int8_names(speech.model.lm)) == int8

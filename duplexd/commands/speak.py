@@ -19,6 +19,7 @@ import torch
 
 from duplexd.engine.devices import check_device
 from duplexd.engine.errors import InputRefused
+from duplexd.engine.models.int8_weights import WEIGHT_DTYPES
 from duplexd.engine.models.mimi import MimiStreams
 from duplexd.engine.tts.demo import DEMO_VOICES, demo_tts_folder
 from duplexd.engine.tts.generate import TTSGen, Voice, generate
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     device = check_device(args.device)
     demo = args.model == "demo-tts"
     folder = demo_tts_folder() if demo else Path(args.model)
-    model = load_tts(folder, device=device, dtype=DTYPES[args.dtype])
+    model = load_tts(folder, device=device, dtype=DTYPES[args.dtype], weights_dtype=args.weights_dtype)
     tts = model.tts
     voices = Path(args.voices) if args.voices else (folder / "voices" if (folder / "voices").is_dir() else None)
     voice = args.voice or (DEMO_VOICES[0] if demo else None)
@@ -108,5 +109,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=30000, help="frames at most (12.5 a second)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument(
+        "--weights-dtype",
+        choices=WEIGHT_DTYPES,
+        help="LM projections: int8 (quantized as they load) or bf16 (the weights' dtype); default: as stored",
+    )
     p.add_argument("--tokens-out", help="one JSON line per frame: frame, muxed text id, 32 audio codes")
     p.set_defaults(func=run)

@@ -10,7 +10,15 @@ import torch
 from safetensors.torch import save_file
 
 from ..models.lm import LMModel
-from ..weights.checkpoint import CONDITIONING_PREFIX, KeyMap, key_map, load_mapped, param_view
+from ..weights.checkpoint import (
+    CONDITIONING_PREFIX,
+    KeyMap,
+    dequantized_q8,
+    key_map,
+    load_mapped,
+    param_view,
+    q8_keys,
+)
 from .conditioning import Conditioner
 
 
@@ -33,12 +41,15 @@ def conditioner_key_map(conditioner: Conditioner) -> list[KeyMap]:
 
 
 def load_conditioner(conditioner: Conditioner, path: Path) -> None:
-    """Fill `conditioner` from the checkpoint at `path`; `CheckpointError` on a missing or misshapen tensor."""
+    """Fill `conditioner` from the checkpoint at `path` (a q8 file's projections dequantized); `CheckpointError` on
+    a missing or misshapen tensor."""
     tensors: dict[str, torch.Tensor] = dict(conditioner.named_parameters())
+    q8 = q8_keys(path)
+    rows = [r for row in conditioner_key_map(conditioner) for r in (dequantized_q8(row) if row.key in q8 else [row])]
     load_mapped(
         tensors,
         path,
-        lambda naming: conditioner_key_map(conditioner),
+        lambda naming: rows,
         what="conditioner ",
         ignore=lambda key: not key.startswith(CONDITIONING_PREFIX),
     )

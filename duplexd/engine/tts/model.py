@@ -58,8 +58,15 @@ def read_config(folder: Path) -> dict:
     return raw
 
 
-def load_tts(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> TTSModel:
-    """Load the TTS model in `folder`; `CheckpointError` naming the file or key that does not fit."""
+def load_tts(
+    folder: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    weights_dtype: str | None = None,
+) -> TTSModel:
+    """Load the TTS model in `folder`; `CheckpointError` naming the file or key that does not fit. `weights_dtype`:
+    the LM's projections as `load_lm` takes them (int8, bf16, or None: as the file stores them; a q8 file's other
+    matrices, the conditioners' too, are dequantized as they load)."""
     folder = Path(folder)
     raw = read_config(folder)
     try:
@@ -73,7 +80,10 @@ def load_tts(folder: str | Path, device: torch.device | str = "cpu", dtype: torc
     for path in (weights, mimi_path, tokenizer_path):
         if not path.is_file():
             raise CheckpointError(f"{path} is missing (named by {folder / CONFIG_NAME})", "model")
-    lm = load_lm(weights, cfg, device=device, dtype=dtype)
+    try:
+        lm = load_lm(weights, cfg, device=device, dtype=dtype, weights_dtype=weights_dtype)
+    except ConfigError as e:
+        raise CheckpointError(str(e), "model") from None
     conditioner = Conditioner(tts, cfg.dim)
     load_conditioner(conditioner, weights)
     preset = mimi_preset_of(mimi_path, MIMI_32)

@@ -63,7 +63,8 @@ class KeyMap:
     tensor is checked but not loaded (PersonaPlex's DepFormer steps for the user's codebooks); `lead`: only the
     tensor's first `lead` rows are loaded (the agent's steps of a fused DepFormer projection). `dtype`: the
     safetensors dtype the file must hold (q8 codes and scales), `FLOAT` for any float, None unchecked.
-    `quantize`: a float projection read into the int8 weight `param` (its `.codes` and `.absmax`).
+    `quantize`: a float projection read into the int8 weight `param` (its `.codes` and `.absmax`). `scales`: the
+    key of the fp32 row scales of a q8 pair whose int8 codes land in a float `param`, dequantized as they are read.
     """
 
     key: str
@@ -74,6 +75,7 @@ class KeyMap:
     lead: int | None = None
     dtype: str | None = None
     quantize: bool = False
+    scales: str | None = None
 
 
 FLOAT = "float"
@@ -304,6 +306,8 @@ def load_mapped(
                 continue
             try:
                 tensor = f.get_tensor(original[key])
+                if row.scales is not None:  # a q8 pair read into a float parameter
+                    tensor = tensor.float() * f.get_tensor(original[row.scales])[:, None] / 127
             except SafetensorError as e:
                 raise CheckpointError(f"{path}: cannot read {key} (truncated or corrupt file?): {e}") from None
             _store(tensors, row, tensor)
@@ -354,13 +358,27 @@ def checked_sets(cfg: LMConfig, path: Path, keys: set[str]) -> int:
     raise CheckpointError(f"{path} holds {sets} DepFormer weight sets (linears.k heads), the config expects {expected}")
 
 
+def dequantized_q8(row: KeyMap) -> list[KeyMap]:
+    """The rows of a q8 pair (int8 codes + fp32 `_scb`) read into the float parameter of `row`: the codes,
+    dequantized as they are read (`codes * scb / 127`, as moshi's `QLinear` holds them), and the scales (checked,
+    read with the codes)."""
+    scales = f"{row.key}_scb"
+    return [
+        dataclasses.replace(row, dtype="I8", scales=scales),
+        KeyMap(scales, row.shape[:1], None, dtype="F32"),
+    ]
+
+
 def _lm_rows(cfg: LMConfig, naming: str, sets: int, int8: set[str], q8_keys: set[str]) -> list[KeyMap]:
     """The key map for a model whose projections `int8` are int8 weights, from a file whose `q8_keys` are stored
-    as q8 pairs (codes + `_scb`): such a pair fills `.codes` and `.absmax`; a float projection of the file is
-    quantized into an int8 weight as it is read."""
+    as q8 pairs (codes + `_scb`): such a pair fills `.codes` and `.absmax` of an int8 weight, or is dequantized
+    into a float parameter (what duplexd keeps float: a TTS model's cross-attention, demux and low-rank
+    embeddings); a float projection of the file is quantized into an int8 weight as it is read."""
     rows = []
     for row in key_map(cfg, naming, sets):
-        if row.key in q8_keys:
+        if row.key in q8_keys and row.param is not None and row.param not in int8:
+            rows += dequantized_q8(row)
+        elif row.key in q8_keys:
             codes = row.param and f"{row.param}.codes"
             absmax = row.param and f"{row.param}.absmax"
             rows += [
@@ -379,6 +397,11 @@ def _lm_rows(cfg: LMConfig, naming: str, sets: int, int8: set[str], q8_keys: set
 
 def _q8_keys(keys: set[str]) -> set[str]:
     return {_normalise(k.removesuffix("_scb")) for k in keys if k.endswith("_scb")}
+
+
+def q8_keys(path: Path) -> set[str]:
+    """The keys of the file at `path` stored as q8 pairs (int8 codes beside fp32 `_scb` scales)."""
+    return _q8_keys(_header_keys(path))
 
 
 def _lm_tensors(model: LMModel) -> dict[str, torch.Tensor]:
@@ -402,14 +425,12 @@ def load_lm_weights(model: LMModel, path: Path) -> str:
     int8, q8 = int8_names(model), _q8_keys(keys)
     tensors = _lm_tensors(model)
 
-    def rows_for(naming: str) -> list[KeyMap]:
-        rows = _lm_rows(model.cfg, naming, sets, int8, q8)
-        floats = [r.key for r in rows if r.key in q8 and r.param is not None and r.param.rpartition(".")[0] not in int8]
-        if floats:
-            raise CheckpointError(f"{path}: {_few(floats)} stored as int8 but loaded as float")
-        return rows
-
-    naming = load_mapped(tensors, path, rows_for, ignore=_conditioning_key if model.cfg.speaks_text else None)
+    naming = load_mapped(
+        tensors,
+        path,
+        lambda naming: _lm_rows(model.cfg, naming, sets, int8, q8),
+        ignore=_conditioning_key if model.cfg.speaks_text else None,
+    )
     for name in int8:
         weight = model.get_submodule(name)
         assert isinstance(weight, Int8Weight)
@@ -426,11 +447,12 @@ CONDITIONING_PREFIX = "condition_provider.conditioners."
 
 
 def stored_int8(cfg: LMConfig, path: Path) -> set[str]:
-    """The duplexd parameters that the file at `path` holds as q8 pairs (int8 codes + fp32 `_scb`)."""
+    """The duplexd projections that the file at `path` holds as q8 pairs (int8 codes + fp32 `_scb`); the file's
+    other q8 pairs (a TTS model's cross-attention, demux and low-rank embeddings) are dequantized as they load."""
     keys = _header_keys(path)
     q8 = _q8_keys(keys)
     rows = key_map(cfg, detect_naming({_normalise(k) for k in keys}), depformer_sets(keys) or cfg.dep_q)
-    return {row.param for row in rows if row.key in q8 and row.param is not None}
+    return set(quantizable(row.param for row in rows if row.key in q8 and row.param is not None))
 
 
 def save_lm_weights(model: LMModel, path: str | Path, naming: str = "fused") -> None:
@@ -440,7 +462,7 @@ def save_lm_weights(model: LMModel, path: str | Path, naming: str = "fused") -> 
     cfg, int8 = model.cfg, int8_names(model)
     rows = key_map(cfg, naming, cfg.agent_codebooks)
     q8 = {row.key for row in rows if row.param in int8}
-    save_mapped(_lm_tensors(model), _lm_rows(cfg, naming, cfg.agent_codebooks, set(), q8), path)
+    save_mapped(_lm_tensors(model), _lm_rows(cfg, naming, cfg.agent_codebooks, int8, q8), path)
 
 
 def int8_plan(cfg: LMConfig, stored: set[str], weights_dtype: str | None, text_head: bool = INT8_TEXT_HEAD) -> set[str]:

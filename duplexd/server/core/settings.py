@@ -227,6 +227,12 @@ class ServerSettings(BaseSettings):
     )
     tts_device: str | None = opt(None, "device of the TTS model (default: the first --device)", _TTS)
     tts_streams: int = opt(8, "speech streams said at once (slots)", _TTS, metavar="N", ge=1)
+    tts_weights_dtype: Literal["bf16", "int8"] | None = opt(
+        None,
+        "the TTS LM's projections: int8 (quantized as they load) or bf16 (the weights' dtype; a q8 file's are "
+        "dequantized); default: as the checkpoint stores them",
+        _TTS,
+    )
     tts_cfg_coef: float = opt(
         2.0, "the CFG coefficient of the distilled model's voices (moshi-server's cfg_coef)", _TTS, metavar="C"
     )

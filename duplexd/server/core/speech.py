@@ -109,7 +109,7 @@ def load_speech(settings: ServerSettings, device: str, dtype: torch.dtype) -> Sp
     started = time.perf_counter()
     try:
         folder = demo_tts_folder() if demo else hub_folder(settings.tts, TTS_FILES, "a Kyutai TTS model")
-        model = load_tts(folder, device=device, dtype=dtype)
+        model = load_tts(folder, device=device, dtype=dtype, weights_dtype=settings.tts_weights_dtype)
     except CheckpointError as e:
         raise CheckpointError(str(e), "tts") from None
     try:
