@@ -206,7 +206,8 @@ class SpeechService:
             device = self.gen.offsets.device
             if device.type == "cuda":  # per thread: graphs, streams and Triton launch on the current device
                 torch.cuda.set_device(device)
-            self.gen.capture()
+            with self._turn():  # no step of the engine sharing the device runs inside the capture
+                self.gen.capture()
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
             return
