@@ -266,10 +266,10 @@ def headline(steps: list[list[str]], reports: dict[str, dict | None]) -> dict:
 def tts_verdict(data: dict | None) -> str:
     if data is None:
         return "tts streams: no result (see gpu_tts.log)"
-    first = data.get("ttfa_ms_p50_b1")
+    first, differing = data.get("ttfa_ms_p50_b1"), data.get("bucketed_frames_differing")
     return (
         f"{data.get('preset')} streams: {data.get('realtime_streams')} with p99 step <= 80 ms; first audio p50 at "
-        f"batch 1 {first} ms (goal: >= 128 streams, <= 150 ms)"
+        f"batch 1 {first} ms (goal: >= 128 streams, <= 150 ms); graphs against eager: {differing} frames differ"
     )
 
 

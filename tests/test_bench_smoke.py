@@ -108,7 +108,7 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
         "kv_dtype.json": ("capacity", "agreement", "steps"),
         "weights_dtype.json": ("steps", "agreement", "ok"),
         "stt/gpu_capacity.json": ("realtime_sessions", "kv_sessions"),
-        "tts.json": ("realtime_streams", "batches", "ttfa_ms_p50_b1"),
+        "tts.json": ("realtime_streams", "batches", "ttfa_ms_p50_b1", "bucketed_frames_differing"),
         "loadtest.json": ("overall",),
     }
     for name, keys in heads.items():
