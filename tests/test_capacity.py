@@ -236,3 +236,14 @@ def test_tts_streams_beside_the_model_are_what_the_speech_service_allocates(caps
     assert mixed["tts_streams"] == 16 and 5 * 2**30 < mixed["tts_memory"] < 8 * 2**30
     assert alone["free_for_engine"] - mixed["free_for_engine"] == mixed["tts_memory"]
     assert mixed["sessions"] < alone["sessions"]
+    # int8 projections (`serve --tts-weights-dtype int8`): as the service holds them, a smaller share
+    int8_model = load_tts(demo_tts_folder(tmp_path), weights_dtype="int8")
+    int8_counted = speech_memory(model.lm.cfg, model.tts, 3, torch.float32, "demo-32", weights_dtype="int8")
+    assert int8_counted.weights == sum(
+        t.nbytes for m in (int8_model.lm, int8_model.mimi) for t in [*m.parameters(), *m.buffers()]
+    )
+    assert int8_counted.weights < counted.weights
+    int8_mix = ["capacity", "--model", "stt-1b", "--gpu-memory", "48GiB", "--tts-streams", "16", "--json"]
+    assert main([*int8_mix, "--tts-weights-dtype", "int8"]) == 0
+    int8_mixed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert int8_mixed["tts_memory"] < mixed["tts_memory"] and int8_mixed["sessions"] >= mixed["sessions"]

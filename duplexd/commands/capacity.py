@@ -140,10 +140,12 @@ def capacity(
     device: str = "cuda",
     weights_dtype: str = "bf16",
     tts_streams: int = 0,
+    tts_weights_dtype: str = "bf16",
 ) -> Capacity:
     """Sessions that fit on `device` with `memory` bytes (None: the live device's free memory now);
     `weights_dtype` "int8": the LM's projections as int8 weights, as `--weights-dtype int8` loads them;
-    `tts_streams`: that many streams of tts-1.6b (`duplexd serve --tts`, loaded first) take their share first."""
+    `tts_streams`: that many streams of tts-1.6b (`duplexd serve --tts`, loaded first) take their share first, its
+    projections in `tts_weights_dtype`."""
     lm = build_lm(cfg, "meta", dtype, int8=int8_plan(cfg, set(), weights_dtype))
     with torch.device("meta"):
         mimi = MimiModel(mimi_ring_rule(MIMI_PRESETS[mimi_preset], cfg))  # as the server builds it
@@ -153,7 +155,7 @@ def capacity(
         context, memory = 0, total
     else:
         free, context = memory, CUDA_CONTEXT
-    tts = tts_memory(tts_streams, dtype) if tts_streams else 0
+    tts = tts_memory(tts_streams, dtype, tts_weights_dtype) if tts_streams else 0
     free_for_engine = max(free - context - tts - lm_weights - mimi_weights, 0)
     config = EngineConfig(
         max_sessions=SEARCH_LIMIT, page_size=page_size, max_session_frames=window, device=device, kv_dtype=kv_dtype
@@ -187,11 +189,11 @@ def capacity(
     )
 
 
-def tts_memory(streams: int, dtype: torch.dtype) -> int:
+def tts_memory(streams: int, dtype: torch.dtype, weights_dtype: str = "bf16") -> int:
     """Bytes of tts-1.6b's speech service with `streams` streams (its 512-wide voices, 5 places of 125 frames)."""
     tts = tts_config_from_dict(tts_keys(512, 16))
     assert tts is not None
-    return speech_memory(TTS_1_6B, tts, streams, dtype).total
+    return speech_memory(TTS_1_6B, tts, streams, dtype, weights_dtype=weights_dtype).total
 
 
 def run(args: argparse.Namespace) -> int:
@@ -220,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         weights_dtype=args.weights_dtype,
         tts_streams=args.tts_streams,
+        tts_weights_dtype=args.tts_weights_dtype,
     )
     if not args.json:
         sys.stdout.write("\n".join(result.lines()) + "\n")
@@ -252,6 +255,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=0,
         metavar="N",
         help="set aside N streams of tts-1.6b beside the model, as duplexd serve --tts loads it on the same GPU",
+    )
+    p.add_argument(
+        "--tts-weights-dtype",
+        choices=WEIGHT_DTYPES,
+        default="bf16",
+        help="the TTS LM's projections, as duplexd serve --tts-weights-dtype loads them",
     )
     p.add_argument("--window", type=int, metavar="FRAMES", help="session length in frames (default: a full window)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")

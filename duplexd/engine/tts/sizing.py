@@ -1,6 +1,6 @@
 """Device memory of a speech service: what `duplexd capacity` sets aside for `duplexd serve --tts`'s streams.
 
-The same allocations the service makes, counted on the `meta` device: the LM and Mimi weights, each stream's whole
+The same allocations the service makes, counted on the `meta` device: the LM (its projections int8 or float) and Mimi weights, each stream's whole
 window of KV pages (`TTSGen` reserves one per slot), its voice's cross-attention keys and values in every layer (5
 voice places of 125 frames), and its Mimi streams.
 """
@@ -14,7 +14,7 @@ import torch
 from ..kv.paged import PagedKVCache, window_pages
 from ..models.config import MIMI_PRESETS, LMConfig
 from ..models.mimi import MimiModel, MimiStreams
-from ..weights.checkpoint import build_lm
+from ..weights.checkpoint import build_lm, int8_plan
 from .config import TTSConfig
 
 PAGE_SIZE = 16  # TTSGen's
@@ -33,9 +33,15 @@ class SpeechMemory:
 
 
 def speech_memory(
-    cfg: LMConfig, tts: TTSConfig, streams: int, dtype: torch.dtype, mimi_preset: str = "mimi-32"
+    cfg: LMConfig,
+    tts: TTSConfig,
+    streams: int,
+    dtype: torch.dtype,
+    mimi_preset: str = "mimi-32",
+    weights_dtype: str | None = None,
 ) -> SpeechMemory:
-    lm = build_lm(cfg, "meta", dtype)
+    """`weights_dtype` "int8": the LM's projections as int8 weights (`--tts-weights-dtype int8`)."""
+    lm = build_lm(cfg, "meta", dtype, int8=int8_plan(cfg, set(), weights_dtype))
     with torch.device("meta"):
         mimi = MimiModel(MIMI_PRESETS[mimi_preset])
     weights = sum(t.nbytes for m in (lm, mimi) for t in [*m.parameters(), *m.buffers()])
