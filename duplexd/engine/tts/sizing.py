@@ -1,8 +1,9 @@
 """Device memory of a speech service: what `duplexd capacity` sets aside for `duplexd serve --tts`'s streams.
 
-The same allocations the service makes, counted on the `meta` device: the LM (its projections int8 or float) and Mimi weights, each stream's whole
-window of KV pages (`TTSGen` reserves one per slot), its voice's cross-attention keys and values in every layer (5
-voice places of 125 frames), and its Mimi streams.
+The same allocations the service makes, counted on the `meta` device: the LM (its projections int8 or float) and
+Mimi weights, each stream's whole window of KV pages (`TTSGen` reserves one per slot), its voice's cross-attention
+keys and values in every layer (5 voice places of 125 frames, and one more row for the scratch slot that pads a
+bucket), and its Mimi streams.
 """
 
 from __future__ import annotations
