@@ -1,7 +1,8 @@
 """The steps every WebSocket goes through before its session starts: access, parameters, a slot.
 
 The upgrade is accepted first so that every refusal reaches the client as a protocol error message plus a close
-code (1008 access, 1007 bad parameters, 1013 no capacity or draining), never as a silent HTTP 403 or a hang.
+code (1008 access, 1007 bad parameters, 1013 no capacity or draining), never as a silent HTTP 403 or a hang. The
+slot itself (`admit`) is the same step for a WebRTC call, which says its `Refusal` as an HTTP error instead.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import Awaitable, Callable
 from starlette.websockets import WebSocket
 
 from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.engine.dialogue.session import Session
 from duplexd.engine.errors import CapacityError
+from duplexd.engine.persona.prompt import PersonaPrompt
 from duplexd.server.core.context import ServerContext
 
 from .access import access_denied
@@ -21,6 +24,39 @@ from .pump import Adapter, Pump, close_connection
 from .query import BadQuery
 
 logger = logging.getLogger(__name__)
+
+
+class Refusal(Exception):  # noqa: N818 - an answer, not a failure
+    """Why a session got no slot, for each transport to say in its own terms: `busy` (draining or full: try again
+    later or elsewhere) or a parameter the engine cannot take; `error` is the protocol's code for it."""
+
+    def __init__(self, error: str, message: str, busy: bool) -> None:
+        super().__init__(message)
+        self.error, self.busy = error, busy
+
+
+def admit(
+    ctx: ServerContext,
+    name: str,
+    params: SamplingParams,
+    max_frames: int | None = None,
+    prompt: PersonaPrompt | None = None,
+) -> Session:
+    """A slot for a session that passed access and its parameters; `Refusal` (counted in the metrics) while the
+    server drains, when it is full or warming up, or when the engine cannot take the persona `prompt`."""
+    metrics = ctx.metrics
+    if ctx.drain.draining:
+        metrics.refused.labels("draining").inc()
+        raise Refusal("server_draining", "server draining (shutting down): connect to another replica", busy=True)
+    try:
+        return ctx.runtime.open_session(params, max_frames, prompt)
+    except CapacityError as e:
+        metrics.refused.labels("capacity").inc()
+        logger.info("%s session refused: %s", name, e)
+        raise Refusal("capacity", f"server at capacity: {e}", busy=True) from None
+    except ValueError as e:  # the engine cannot take this persona's prompt (checked before, said again)
+        metrics.refused.labels("invalid_parameter").inc()
+        raise Refusal("invalid_parameter", f"persona prompt refused: {e}", busy=False) from None
 
 
 async def serve(
@@ -45,22 +81,11 @@ async def serve(
         except BadQuery as e:
             metrics.refused.labels("invalid_parameter").inc()
             raise Close(CloseCode.INVALID_PAYLOAD, "invalid_parameter", str(e)) from None
-        if ctx.drain.draining:
-            metrics.refused.labels("draining").inc()
-            raise Close(
-                CloseCode.TRY_AGAIN_LATER,
-                "server_draining",
-                "server draining (shutting down): reconnect to another replica",
-            )
         try:
-            session = ctx.runtime.open_session(params, max_frames, adapter.opening_prompt())
-        except CapacityError as e:
-            metrics.refused.labels("capacity").inc()
-            logger.info("%s session refused: %s", adapter.name, e)
-            raise Close(CloseCode.TRY_AGAIN_LATER, "capacity", f"server at capacity: {e}") from None
-        except ValueError as e:  # the engine cannot take this persona's prompt (checked before, said again)
-            metrics.refused.labels("invalid_parameter").inc()
-            raise Close(CloseCode.INVALID_PAYLOAD, "invalid_parameter", f"persona prompt refused: {e}") from None
+            session = admit(ctx, adapter.name, params, max_frames, adapter.opening_prompt())
+        except Refusal as r:
+            code = CloseCode.TRY_AGAIN_LATER if r.busy else CloseCode.INVALID_PAYLOAD
+            raise Close(code, r.error, str(r)) from None
     except Close as close:
         await close_connection(adapter, close, ctx.settings.send_timeout)
         return

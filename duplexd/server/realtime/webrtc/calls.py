@@ -24,8 +24,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from duplexd.engine.errors import CapacityError
 from duplexd.server.connection.access import access_denied, presented_key
+from duplexd.server.connection.admission import Refusal, admit
 from duplexd.server.connection.client_secrets import ClientSecret
 from duplexd.server.connection.closing import Close, CloseCode
 from duplexd.server.connection.query import BadQuery, sampling_from_query
@@ -114,18 +114,14 @@ async def create_call(request: Request, ctx: Context) -> Response:
     runtime, metrics = ctx.runtime, ctx.metrics
     if not runtime.ready:
         raise ApiError(503, runtime.failed or "the server is warming up: try again shortly", "not_ready")
-    if ctx.drain.draining:
-        metrics.refused.labels("draining").inc()
-        raise ApiError(503, "server draining (shutting down): call another replica", "server_draining")
     try:
         params = sampling_from_query(request.query_params)
     except BadQuery as e:
         raise ApiError(400, str(e), "invalid_parameter") from None
     try:
-        session = runtime.open_session(params, None, None)
-    except CapacityError as e:
-        metrics.refused.labels("capacity").inc()
-        raise ApiError(503, f"server at capacity: {e}", "capacity") from None
+        session = admit(ctx, "webrtc", params)
+    except Refusal as r:
+        raise ApiError(503 if r.busy else 400, str(r), r.error) from None
     from .call import BadOffer, Call  # noqa: PLC0415 - aiortc, the optional extra
 
     call_id = ev.new_id("rtc")
