@@ -31,6 +31,7 @@ from ..graphs import default_buckets
 from ..kv.dtypes import KV_DTYPES
 from ..kv.paged import PagedKVCache, window_pages
 from ..listeners import Listeners
+from ..loop_thread import start_loop_thread
 from ..models.config import ConfigError, LMConfig
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel, MimiStreams
@@ -236,8 +237,6 @@ class Engine:
                 torch.get_num_threads(),
             )
         self.turns: DeviceTurns | None = None  # set when another model's loop steps on this device (`turns`)
-        self._started = threading.Event()
-        self._start_error: BaseException | None = None
         self.ready = False
 
     # ------------------------------------------------------------------------------------------- lifecycle
@@ -246,32 +245,18 @@ class Engine:
         """Start the loop thread and wait until it is warm (throw-away steps, then CUDA graph capture)."""
         if self._thread is not None:
             return
-        self._started.clear()
-        self._thread = threading.Thread(target=self._run, name=f"duplexd-engine-{self.device}", daemon=True)
-        self._thread.start()
-        self._started.wait()
-        if self._start_error is not None:
-            self._thread.join()
-            self._thread = None
-            raise self._start_error
+        name = f"duplexd-engine-{self.device}"
+        self._thread = start_loop_thread(name, self.device, self._threads, self._warm_up, self._serve)
         self.ready = True
         logger.info("engine ready on %s (%d slots, %d threads)", self.device, self.config.max_sessions, self._threads)
 
-    def _run(self) -> None:
-        torch.set_num_threads(self._threads)
-        torch.set_grad_enabled(False)  # grad mode is per thread
-        try:
-            if self.device.type == "cuda":  # per thread: graphs, streams and Triton launch on the current device
-                torch.cuda.set_device(self.device)
-            step_seconds = self.runner.warm_up(self.scheduler.free_slots(), self._graphs)
-            if self._persona:
-                self.scheduler.prefill_rows = self._size_prefill(step_seconds)
-            self.scheduler.start()
-        except BaseException as e:  # noqa: BLE001 - handed to start()
-            self._start_error = e
-            return
-        finally:
-            self._started.set()
+    def _warm_up(self) -> None:
+        step_seconds = self.runner.warm_up(self.scheduler.free_slots(), self._graphs)
+        if self._persona:
+            self.scheduler.prefill_rows = self._size_prefill(step_seconds)
+        self.scheduler.start()
+
+    def _serve(self) -> None:
         while (plan := self.scheduler.plan()) is not None:
             with maybe_turn(self.turns, urgent=True):
                 result = self.runner.execute(plan)

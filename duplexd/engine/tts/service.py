@@ -25,6 +25,7 @@ import torch
 
 from ..errors import CapacityError, SessionClosed
 from ..listeners import Listeners
+from ..loop_thread import start_loop_thread
 from ..mailbox import Mailbox
 from ..models.mimi import MimiStreams
 from ..turns import DeviceTurns, maybe_turn
@@ -116,21 +117,13 @@ class SpeechService:
         self._free = list(range(max_streams))
         self._running = False
         self._thread: threading.Thread | None = None
-        self._warm = threading.Event()
-        self._start_error: BaseException | None = None
         self.on_step: Listeners[[float, int]] = Listeners("speech step")  # (seconds, streams stepped)
         self.turns: DeviceTurns | None = None  # set when another model's loop steps on this device (`turns`)
 
     def start(self) -> None:
         """Start the loop thread and wait until it is warm (its graphs captured, with `graphs`)."""
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="tts-loop", daemon=True)
-        self._thread.start()
-        self._warm.wait()
-        if self._start_error is not None:
-            self._thread.join()
-            self._thread = None
-            raise self._start_error
+        self._thread = start_loop_thread("tts-loop", self.gen.offsets.device, self.threads, self._capture, self._loop)
 
     def stop(self) -> None:
         with self.lock:
@@ -199,21 +192,9 @@ class SpeechService:
         self.gen.states[slot.stream.slot] = None
         self._free.append(slot.stream.slot)
 
-    def _run(self) -> None:
-        torch.set_num_threads(self.threads)  # its own OpenMP pool (per thread): see engine.dialogue.engine
-        torch.set_grad_enabled(False)
-        try:
-            device = self.gen.offsets.device
-            if device.type == "cuda":  # per thread: graphs, streams and Triton launch on the current device
-                torch.cuda.set_device(device)
-            with self._turn():  # no step of the engine sharing the device runs inside the capture
-                self.gen.capture()
-        except BaseException as e:  # noqa: BLE001 - handed to start()
-            self._start_error = e
-            return
-        finally:
-            self._warm.set()
-        self._loop()
+    def _capture(self) -> None:
+        with self._turn():  # no step of the engine sharing the device runs inside the capture
+            self.gen.capture()
 
     def _loop(self) -> None:
         while True:
