@@ -182,13 +182,13 @@ class TTSGen:
         for slot, offset, token in zip(slots, positions, sampled_list, strict=True):
             read.append(self.feeder.next_token(offset, self._state(slot), token)[0])
             self.steps[slot] = offset + 1
-        # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
-        # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.
         text = torch.tensor(read, device=device)
-        if bucketed:
+        if bucketed:  # every row through the DepFormer, those inside their audio delay masked after it
             with turn():
                 out, valid = self.bucketed_speak(index, text, hidden)
                 return out, valid
+        # A slot still inside its audio delay speaks no codebook (each is forced to the zero token): the DepFormer
+        # runs for the others only, as moshi's generate skips it while the whole batch is in the delay.
         speaking = [row for row, offset in enumerate(positions) if offset >= self.tts.delay_steps]
         rows = None if len(speaking) == len(slots) else torch.tensor(speaking, dtype=torch.long, device=device)
         with turn():
