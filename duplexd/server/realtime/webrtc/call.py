@@ -164,6 +164,7 @@ class Call:
         self.adapter = CallAdapter(self.socket, ctx, self.track)
         self.pump: Pump | None = None
         self.task: asyncio.Task | None = None  # `run`, held here while the call is in `ServerContext.calls`
+        self.ending = False  # its session is over and it is hanging up: no longer a call in progress
         self._remote: Any = None  # the caller's audio track
         self._encoder: libopus.Encoder | None = None  # the speech's, on an Opus call
         self._closed = False
@@ -228,6 +229,7 @@ class Call:
                 ctx.drain.discard(pump)
             logger.info("call %s ended: %s", self.id, end.error if isinstance(end, Close) else end)
         finally:
+            self.ending = True  # before the caller can see the connection close: `/hangup` then finds no call
             self.session.close("client")
             await self.adapter.end_sidebands()
             await self.hang_up()

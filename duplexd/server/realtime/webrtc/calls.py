@@ -159,7 +159,7 @@ async def end_calls(ctx: ServerContext, timeout: float = 5.0) -> None:
 async def hangup(request: Request, ctx: Context, call_id: str) -> Response:
     _check_access(request, ctx, minted_ok=False)
     call = ctx.calls.get(call_id)
-    if call is None:
+    if call is None or call.ending:
         raise ApiError(404, f"no call {call_id!r} in progress", "call_id_not_found", "call_id")
     call.end(Close(CloseCode.NORMAL, "hangup", "the call was hung up by the server"))
     return Response(status_code=200)

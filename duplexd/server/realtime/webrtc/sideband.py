@@ -32,7 +32,7 @@ async def attach(ws: WebSocket, ctx: ServerContext, call_id: str, subprotocol: s
         denied = access_denied(ws, ctx.settings.api_key, ctx.settings.allowed_origins)  # the server's key only
         if denied:
             raise Close(CloseCode.POLICY_VIOLATION, *denied)
-        if call is None or call.pump is None:
+        if call is None or call.pump is None or call.ending:
             raise Close(CloseCode.POLICY_VIOLATION, "call_id_not_found", f"no call {call_id!r} in progress")
         call.adapter.sidebands.add(ws)
         logger.info("call %s: sideband attached", call_id)
