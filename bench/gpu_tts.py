@@ -11,12 +11,12 @@ graph at the batch's bucket (`--no-graphs`: eager), as the speech service runs i
 halves run eagerly. Mimi's decoder is not run. Per batch: p50/p99 step; the split's cost (the step's p50 less the
 two halves replayed back to back with no host part between, the text left on the device); time to first audio
 (from a stream's start to its first frame that carries audio: the 16-frame audio delay and the 2-frame codebook
-delay, computed as fast as the batch goes), p50/p99 over the
-streams. A batch is real-time when its p99 step is <= 80 ms. First a correctness check: two sessions' frames through
-the bucketed halves (CUDA graphs on a GPU) against the same bucket run eagerly (unpadded on a CPU); any frame that
-differs fails the run. Goal on an H200: >= 128 real-time streams with time
-to first audio p50 <= 150 ms (Kyutai: 32 at 350 ms on an L40S). Writes tts.json (and tts.md) into --out; the last
-line printed is one JSON object. On a CPU with the demo model it is the suite's dry run.
+delay, computed as fast as the batch goes), p50/p99 over the streams. A batch is real-time when its p99 step is
+<= 80 ms. First a correctness check: two sessions' frames through the bucketed halves (CUDA graphs on a GPU)
+against the same bucket run eagerly (unpadded on a CPU); any frame that differs fails the run. Goal on an H200:
+>= 128 real-time streams with time to first audio p50 <= 150 ms (Kyutai: 32 at 350 ms on an L40S). Writes
+tts.json (and tts.md) into --out; the last line printed is one JSON object. On a CPU with the demo model it is
+the suite's dry run.
 """
 
 from __future__ import annotations

@@ -117,7 +117,9 @@ class TTSGen:
 
     def capture(self, pool=None) -> None:
         """Capture both halves' CUDA graphs (one per bucket each, in one memory pool); a no-op without graphs."""
-        pool = pool if pool is not None or not self.bucketed_listen.use_graphs else torch.cuda.graph_pool_handle()
+        if not self.bucketed_listen.use_graphs:
+            return
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.bucketed_listen.capture("capturing TTS listen graphs", pool)
         self.bucketed_speak.capture("capturing TTS speak graphs", pool)
 

@@ -100,6 +100,7 @@ class SpeechService:
         self, model: TTSModel, max_streams: int, final_padding: int = 4, threads: int = 1, graphs: bool = False
     ) -> None:
         self.model, self.max_streams, self.threads = model, max_streams, threads
+        graphs = graphs and model.lm.text_emb.device.type == "cuda"  # `graphs` asks; only CUDA has them
         self.gen = TTSGen(
             model.lm,
             model.conditioner,

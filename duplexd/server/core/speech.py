@@ -124,7 +124,7 @@ def load_speech(settings: ServerSettings, device: str, dtype: torch.dtype) -> Sp
         model,
         settings.tts_streams,
         final_padding=FINAL_PADDING + model.lm.cfg.max_delay,
-        graphs=settings.cuda_graphs and torch.device(device).type == "cuda",
+        graphs=settings.cuda_graphs,
     )
     model_id = "duplexd-demo-tts" if demo else folder.resolve().name
     logger.info(
