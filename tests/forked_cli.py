@@ -9,13 +9,14 @@ out.stderr and out.rc per job. Forks happen before anything touches CUDA, so a c
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
 import sys
 import traceback
 
-import duplexd.commands.cli  # noqa: F401  (the warm import every child shares)
+from duplexd.commands.cli import COMMANDS
 
 
 def _child(argv: list[str], env: dict[str, str], out: str) -> None:
@@ -41,6 +42,8 @@ def _child(argv: list[str], env: dict[str, str], out: str) -> None:
 
 def main() -> None:
     """The jobs, as many at a time as there are cores (each child is a separate process)."""
+    for module, _ in COMMANDS.values():  # the warm import every child shares (the command line's own is lazy)
+        importlib.import_module(module)
     jobs = json.load(sys.stdin)
     running: dict[int, str] = {}  # pid -> its out prefix
     for job in [*jobs, None]:

@@ -6,6 +6,8 @@ interfaces."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,14 +211,23 @@ def test_the_server_parts_import_one_way():
 
 def test_only_the_serve_command_imports_the_server():
     """The commands run models in process (`infer`, `transcribe`, `capacity`) without FastAPI; the command line's
-    `serve` (in `commands.cli`) is the one way in to the server, and nothing but `__main__` imports a command."""
+    `serve` (`duplexd.server.cli`, named in `commands.cli.COMMANDS`) is the one way in to the server (the command
+    line itself imports only serve's `SettingsError`, to report it), and nothing but `__main__` imports a command."""
+    from duplexd.commands.cli import COMMANDS
+
     graph = {n: d for n, d in _duplexd_imports("duplexd").items() if n.startswith("duplexd.commands")}
-    assert "duplexd.server.cli" in graph["duplexd.commands.cli"]  # the graph is really built
+    assert "duplexd.commands.transcribe_stt" in graph["duplexd.commands.transcribe"]  # the graph is really built
+    reported = ("duplexd.commands.cli", "duplexd.server.core.settings")
     offences = [
         f"{n} imports {d}"
         for n, deps in sorted(graph.items())
         for d in sorted(deps)
-        if d.startswith("duplexd.server") and n != "duplexd.commands.cli"
+        if d.startswith("duplexd.server") and (n, d) != reported
+    ]
+    offences += [
+        f"duplexd {name} runs {module}"
+        for name, (module, _) in COMMANDS.items()
+        if module.startswith("duplexd.server") and name != "serve"
     ]
     outside = _duplexd_imports("duplexd")
     offences += [
@@ -226,6 +237,27 @@ def test_only_the_serve_command_imports_the_server():
         if d.startswith("duplexd.commands") and not n.startswith("duplexd.commands") and n != "duplexd.__main__"
     ]
     assert not offences, "\n".join(offences)
+
+
+def test_the_client_commands_import_no_model_code():
+    """`duplexd chat` and `loadtest` are client processes, often many at once: their command line, parsed as the
+    entry point parses it, imports no torch (2.5 s of CPU and ~300 MB a process) and nothing of the engine's models
+    but their configs (`ConfigError`, which the command line reports)."""
+    script = (
+        "import sys\n"
+        "from duplexd.commands.cli import main\n"
+        "for command in ('chat', 'loadtest'):\n"
+        "    try:\n"
+        "        main([command, '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(' '.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith('duplexd.engine.'))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "usage: duplexd loadtest" in done.stdout  # both commands' arguments were really built
+    loaded = done.stdout.splitlines()[-1].split()
+    assert loaded == ["duplexd.engine.errors", "duplexd.engine.models", "duplexd.engine.models.config"]
 
 
 def _private_definitions(tree: ast.AST) -> set[str]:

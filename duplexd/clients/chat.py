@@ -206,8 +206,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="talk to a server with an audio file; save the model's speech and print its text")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="input audio (any format soundfile reads; resampled to 24 kHz mono)")
     p.add_argument("--out", required=True, help="output WAV (24 kHz) of the model's speech")
     p.add_argument("--text-out", help="also write the model's text to this file")
@@ -219,4 +218,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also get transcripts of what the input says (server started with --transcribe; --protocol kyutai)",
     )
     add_connection_args(p)
-    p.set_defaults(func=run)

@@ -176,8 +176,7 @@ def _print_single(result: LoadTestResult) -> None:
             print(f"session {s.index}: {s.status}: {s.error}" + (f" (close {s.close_code})" if s.close_code else ""))
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("loadtest", help="N concurrent real-time sessions against a server; latency report")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sessions",
         type=session_counts,
@@ -207,4 +206,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         c.add_argument(flag, dest=name, type=kind, help=text)
     soak_cli.add_args(p)
     add_connection_args(p)
-    p.set_defaults(func=run)

@@ -230,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("capacity", help="how many sessions fit on a GPU (the server's own sizing, no memory used)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=f"LM preset ({', '.join(sorted(PRESETS))}; default moshi-7b)")
     p.add_argument("--config", help="a reference config.json instead of a preset")
     p.add_argument("--mimi-preset", choices=sorted(MIMI_PRESETS), help="Mimi architecture (default: the preset's)")
@@ -264,4 +263,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--window", type=int, metavar="FRAMES", help="session length in frames (default: a full window)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
-    p.set_defaults(func=run)

@@ -1,77 +1,42 @@
-"""The `duplexd` command line."""
+"""The `duplexd` command line.
+
+A command's module is imported only when that command is given: `duplexd chat` and `loadtest` are client
+processes, often many at once, and the model commands' torch would cost each 2.5 s of CPU and ~300 MB for nothing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-import time
 import typing
 
-import torch
-
-from duplexd.clients import chat
-from duplexd.clients import loadtest_cli as loadtest
-from duplexd.engine.devices import check_device
-from duplexd.engine.dialogue.lm_gen import LMGen
-from duplexd.engine.dialogue.sampling import SamplingParams
+from duplexd.clients.audio import InputError
 from duplexd.engine.errors import InputRefused
 from duplexd.engine.models.config import ConfigError
-from duplexd.engine.models.tokenizer import TextTokenizer
-from duplexd.engine.weights.checkpoint import load_lm
-from duplexd.engine.weights.demo import ensure_demo
-from duplexd.engine.weights.model_files import check_lm_files, check_tokenizer_file
-from duplexd.server import cli as serve
 from duplexd.server.core.settings import SettingsError
 
-from . import capacity, infer, speak, transcribe
-
-logger = logging.getLogger("duplexd")
-
-
-def _generate(args: argparse.Namespace) -> int:
-    """Run the LM for N frames on random user codes and print the text it writes."""
-    if args.weights is None:
-        demo = ensure_demo()
-        args.weights, args.config, args.tokenizer = demo.lm, args.config or demo.config, demo.tokenizer
-        logger.warning("using the demo model: random weights, its text is a jumble of word pieces")
-    if args.frames < 1:
-        raise ConfigError(f"--frames {args.frames}: must be at least 1")
-    device = check_device(args.device)
-    try:
-        params = SamplingParams(
-            args.text_temperature, args.text_topk, args.audio_temperature, args.audio_topk, args.seed
-        )
-    except ConfigError as e:
-        raise ConfigError(f"--text-temperature, --text-topk, --audio-temperature, --audio-topk: {e}") from None
-    cfg = check_lm_files(str(args.weights), args.config and str(args.config), option="weights")
-    if args.tokenizer:
-        check_tokenizer_file(str(args.tokenizer), cfg)
-    model = load_lm(args.weights, args.config, device=device)
-    tokenizer = TextTokenizer(args.tokenizer) if args.tokenizer else None
-    gen = LMGen(model, num_slots=1)
-    gen.reset(0, params)
-    codes = torch.randint(
-        0,
-        model.cfg.card,
-        (args.frames, model.cfg.num_user_codebooks),
-        generator=torch.Generator().manual_seed(args.seed),
-        device="cpu",
-    ).to(device)
-    slot = torch.tensor([0], device=device)
-    started = time.perf_counter()
-    pad = set(model.cfg.silent_text_ids)
-    for frame in range(args.frames):
-        out = gen.step(slot, codes[frame : frame + 1])
-        if out.valid[0]:
-            text = int(out.tokens[0, 0])
-            if text not in pad:
-                sys.stdout.write(tokenizer.piece(text) if tokenizer else f"<{text}>")
-                sys.stdout.flush()
-    elapsed = time.perf_counter() - started
-    sys.stdout.write("\n")
-    logger.info("%d frames in %.2f s (%.1f ms/frame)", args.frames, elapsed, 1000 * elapsed / args.frames)
-    return 0
+# name: (its module, with `add_arguments(parser)` and `run(args) -> exit status`; one line of help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("duplexd.commands.generate", "run the LM on random user codes and print its text"),
+    "infer": ("duplexd.commands.infer", "run a whole audio file through the model, streaming frame by frame"),
+    "capacity": (
+        "duplexd.commands.capacity",
+        "how many sessions fit on a GPU (the server's own sizing, no memory used)",
+    ),
+    "transcribe": (
+        "duplexd.commands.transcribe",
+        "transcribe an audio file with Gemma 4 (split at pauses, any length) or Kyutai STT (words)",
+    ),
+    "speak": ("duplexd.commands.speak", "text to speech with a Kyutai TTS model (a wav file out)"),
+    "serve": ("duplexd.server.cli", "serve the model over WebSockets (Kyutai protocol and OpenAI Realtime)"),
+    "chat": (
+        "duplexd.clients.chat",
+        "talk to a server with an audio file; save the model's speech and print its text",
+    ),
+    "loadtest": ("duplexd.clients.loadtest_cli", "N concurrent real-time sessions against a server; latency report"),
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -88,42 +53,32 @@ def error_line(command: str, error: Exception) -> str:
     return f"duplexd {command}: error: {' '.join(text.split())}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line, with `command`'s arguments (its module imported); every other command by its name and help
+    alone, taking any arguments, so that a first parse finds which command was given."""
     parser = Parser(prog="duplexd", description="Full-duplex speech-dialogue server.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="run the LM on random user codes and print its text")
-    gen.add_argument("--weights", help="LM weights: path, hf://org/repo/file or repo id (default: demo model)")
-    gen.add_argument("--config", help="reference config.json (default: the one beside the weights)")
-    gen.add_argument("--tokenizer", help="sentencepiece model to print text with")
-    gen.add_argument("--frames", type=int, default=50, help="frames of 80 ms to generate")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--text-temperature", type=float, default=0.7)
-    gen.add_argument("--text-topk", type=int, default=25)
-    gen.add_argument("--audio-temperature", type=float, default=0.8)
-    gen.add_argument("--audio-topk", type=int, default=250)
-    gen.set_defaults(func=_generate)
-
-    infer.add_parser(sub)
-    capacity.add_parser(sub)
-    transcribe.add_parser(sub)
-    speak.add_parser(sub)
-    serve.add_parser(sub)
-    chat.add_parser(sub)
-    loadtest.add_parser(sub)
+    for name, (path, text) in COMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=text, add_help=False)
+            continue
+        module = importlib.import_module(path)
+        p = sub.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given, _ = build_parser().parse_known_args(argv)
+    args = build_parser(given.command).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         return args.func(args)
-    except (InputRefused, ConfigError, SettingsError, infer.InputError) as e:
+    except (InputRefused, ConfigError, SettingsError, InputError) as e:
         print(error_line(args.command, e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,8 +12,7 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from duplexd.clients.audio import InputError as InputError  # the CLI reports it
-from duplexd.clients.audio import read_audio
+from duplexd.clients.audio import InputError, read_audio
 from duplexd.engine.devices import check_device, check_kv_dtype
 from duplexd.engine.dialogue.pipeline import Pipeline
 from duplexd.engine.dialogue.sampling import SamplingParams
@@ -142,8 +141,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("infer", help="run a whole audio file through the model, streaming frame by frame")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="input audio (any format soundfile reads, any rate; stereo is down-mixed)")
     p.add_argument("output", help="output WAV (24 kHz) of the model's speech")
     p.add_argument("--moshi-weight", help="LM weights: path, hf://org/repo/file or repo id")
@@ -176,4 +174,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--voice-prompt", help="PersonaPlex voice: a .pt preset or a WAV/FLAC speech sample; needs --text-prompt"
     )
-    p.set_defaults(func=run)

@@ -92,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("speak", help="text to speech with a Kyutai TTS model (a wav file out)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("text", nargs="?", help="the text to say (or --text-file)")
     p.add_argument("--text-file", help="read the text from this UTF-8 file")
     p.add_argument(
@@ -115,4 +114,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="LM projections: int8 (quantized as they load) or bf16 (the weights' dtype); default: as stored",
     )
     p.add_argument("--tokens-out", help="one JSON line per frame: frame, muxed text id, 32 audio codes")
-    p.set_defaults(func=run)

@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from duplexd.clients.audio import InputError as InputError  # the CLI reports it
 from duplexd.clients.audio import read_audio
 from duplexd.engine.devices import check_device
 from duplexd.engine.errors import CheckpointError, InputRefused
@@ -90,10 +89,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "transcribe", help="transcribe an audio file with Gemma 4 (split at pauses, any length) or Kyutai STT (words)"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="input audio (any format soundfile reads, any rate; stereo is down-mixed)")
     p.add_argument(
         "--model",
@@ -112,4 +108,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="output as the server's response_format: text (default), json, verbose_json, srt, vtt",
     )
     p.add_argument("--tokens-out", help="speech-to-text models: one JSON line per frame (frame, text token, pause)")
-    p.set_defaults(func=run)

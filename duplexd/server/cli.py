@@ -69,12 +69,10 @@ def _add_setting(group: argparse._ArgumentGroup, name: str, field: FieldInfo) ->
     group.add_argument(flag, **kwargs)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="serve the model over WebSockets (Kyutai protocol and OpenAI Realtime)",
-        description="Every option can also be set as DUPLEXD_<NAME> (e.g. DUPLEXD_PORT, "
-        "DUPLEXD_API_KEY, DUPLEXD_DEVICES=cuda:0,cuda:1); flags win over the environment.",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Every option can also be set as DUPLEXD_<NAME> (e.g. DUPLEXD_PORT, DUPLEXD_API_KEY, "
+        "DUPLEXD_DEVICES=cuda:0,cuda:1); flags win over the environment."
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, field in ServerSettings.model_fields.items():
@@ -84,7 +82,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             groups[title] = p.add_argument_group(title)
         _add_setting(groups[title], name, field)
     groups["network"].add_argument("--ssl", metavar="DIR", help="serve HTTPS/WSS with DIR/cert.pem and DIR/key.pem")
-    p.set_defaults(func=run)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
