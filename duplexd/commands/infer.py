@@ -19,7 +19,6 @@ from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import InputRefused
 from duplexd.engine.kv.dtypes import KV_DTYPES
 from duplexd.engine.models.config import MIMI_PRESETS, ConfigError
-from duplexd.engine.models.int8_weights import WEIGHT_DTYPES
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.models.tokenizer import TextTokenizer
@@ -29,6 +28,8 @@ from duplexd.engine.weights.checkpoint import load_lm, load_mimi, mimi_ring_rule
 from duplexd.engine.weights.hub import resolve_file
 from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_model_files, model_files
 from duplexd.wire import split_frames
+
+from .arguments import add_weights_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache format (bf16: the weights' dtype), int8, fp8"
     )
-    p.add_argument(
-        "--weights-dtype",
-        choices=WEIGHT_DTYPES,
-        help="LM projections: int8 (quantized as they load) or bf16 (the weights' dtype); default: as stored",
-    )
+    add_weights_dtype(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temp", type=float, default=0.8, help="audio temperature (0 = greedy)")
     p.add_argument("--temp-text", type=float, default=0.7, help="text temperature (0 = greedy)")

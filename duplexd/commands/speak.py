@@ -19,13 +19,14 @@ import torch
 
 from duplexd.engine.devices import check_device
 from duplexd.engine.errors import InputRefused
-from duplexd.engine.models.int8_weights import WEIGHT_DTYPES
 from duplexd.engine.models.mimi import MimiStreams
 from duplexd.engine.tts.demo import DEMO_VOICES, demo_tts_folder
 from duplexd.engine.tts.generate import TTSGen, Voice, generate
 from duplexd.engine.tts.model import load_tts, voice_embedding
 from duplexd.engine.tts.words import script_words
 from duplexd.engine.weights.model_files import DTYPES
+
+from .arguments import add_weights_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +109,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=30000, help="frames at most (12.5 a second)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument(
-        "--weights-dtype",
-        choices=WEIGHT_DTYPES,
-        help="LM projections: int8 (quantized as they load) or bf16 (the weights' dtype); default: as stored",
-    )
+    add_weights_dtype(p)
     p.add_argument("--tokens-out", help="one JSON line per frame: frame, muxed text id, 32 audio codes")
