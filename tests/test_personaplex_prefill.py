@@ -26,7 +26,7 @@ from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.persona.prompt import SILENCE_CODES, TEXT_PAD, PersonaPrompt, PromptChunk, Voice, build_prompt
 from duplexd.engine.persona.voices import load_preset
-from duplexd.engine.weights.checkpoint import build_lm, load_lm
+from duplexd.engine.weights.checkpoint import build_lm, load_lm, mimi_ring_rule
 from duplexd.engine.weights.demo import random_lm
 from duplexd.kernels.dispatch import force_triton
 
@@ -176,7 +176,7 @@ def _outputs(session, count: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def mimi():
-    return MimiModel(DEMO_MIMI).init_weights_(11)
+    return MimiModel(mimi_ring_rule(DEMO_MIMI, CFG)).init_weights_(11)  # the LM's rule, as the server builds it
 
 
 def test_engine_prefills_in_chunks_beside_a_live_session(models, mimi):

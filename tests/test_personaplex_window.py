@@ -16,12 +16,15 @@ import pytest
 import torch
 from moshi.modules.transformer import RingKVCache
 
+from duplexd.engine.dialogue.engine import Engine, EngineConfig
 from duplexd.engine.dialogue.lm_gen import LMGen
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.kv.paged import PagedKVCache
-from duplexd.engine.models.config import RING_RULES, ConfigError, LMConfig
+from duplexd.engine.models.config import DEMO_MIMI, RING_RULES, ConfigError, LMConfig
+from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.persona.prompt import Voice, build_prompt
-from duplexd.engine.weights.checkpoint import load_lm
+from duplexd.engine.weights.checkpoint import load_lm, mimi_ring_rule
+from duplexd.engine.weights.demo import random_lm
 
 from .personaplex_files import PP_SMALL, write_personaplex
 from .personaplex_ref import Oracle, ReferenceSession
@@ -156,6 +159,15 @@ def test_the_loader_chooses_the_rule_by_checkpoint(tmp_path):
     assert load_lm(moshi_path).cfg.ring_rule == "moshi"
     # A config given as an object is the caller's choice, kept as it is.
     assert load_lm(pp_path, dataclasses.replace(CFG, ring_rule="moshi")).cfg.ring_rule == "moshi"
+
+
+def test_an_engine_refuses_an_lm_and_a_mimi_of_different_rules():
+    """One server ran both with one ring cache: a Mimi attending by the other rule would part from it past 10 s of
+    audio, so no engine is built on the pair; with the LM's rule (`mimi_ring_rule`) it is."""
+    lm = random_lm(CFG, seed=0)
+    with pytest.raises(ConfigError, match=r"Mimi's ring rule \(moshi\) is not the LM's \(personaplex\)"):
+        Engine(lm, MimiModel(DEMO_MIMI), config=EngineConfig(max_sessions=1))
+    Engine(lm, MimiModel(mimi_ring_rule(DEMO_MIMI, lm.cfg)), config=EngineConfig(max_sessions=1))
 
 
 # ---------------------------------------------------------------------------------------- whole sessions

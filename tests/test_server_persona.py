@@ -45,7 +45,7 @@ from duplexd.engine.models.config import MIMI_PRESETS
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.persona.prompt import Voice, role_prompt
 from duplexd.engine.persona.voices import VoiceLibrary, load_preset
-from duplexd.engine.weights.checkpoint import load_lm, load_mimi
+from duplexd.engine.weights.checkpoint import load_lm, load_mimi, mimi_ring_rule
 from duplexd.engine.weights.demo import ensure_demo
 from duplexd.server.core.persona import DEFAULT_TEXT, KYUTAI, REALTIME, PersonaRefused, Personas
 from duplexd.wire import pcm16, pcm_from_pcm16, split_frames
@@ -309,7 +309,7 @@ def _offline(files, role: str, voice: str, frames: np.ndarray) -> tuple[str, np.
     _, root, voices = files
     demo = ensure_demo()
     lm = load_lm(root / "model.safetensors", root / "config.json")
-    mimi = load_mimi(demo.mimi, MIMI_PRESETS["demo"])
+    mimi = load_mimi(demo.mimi, mimi_ring_rule(MIMI_PRESETS["demo"], lm.cfg))
     tokenizer = TextTokenizer(demo.tokenizer)
     prompt = role_prompt(lm.cfg, load_preset(voices / voice, lm.cfg), role, tokenizer.encode)
     pipeline = Pipeline(lm, mimi, num_slots=1)

@@ -20,6 +20,7 @@ import torch
 
 from ..graphs import BucketedCall, default_buckets
 from ..kv.paged import PagedKVCache
+from ..models.config import ConfigError
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel, MimiStreams, Rows
 from ..persona.prompt import PersonaPrompt, PromptChunk
@@ -60,6 +61,11 @@ class Pipeline:
             raise ValueError(
                 f"Mimi ({mimi.cfg.num_codebooks} codebooks of {mimi.cfg.card}) does not match the LM "
                 f"({lm.cfg.num_user_codebooks} user codebooks of {lm.cfg.card})"
+            )
+        if mimi.cfg.ring_rule != lm.cfg.ring_rule:  # one server ran both, with one ring cache
+            raise ConfigError(
+                f"Mimi's ring rule ({mimi.cfg.ring_rule}) is not the LM's ({lm.cfg.ring_rule}): build Mimi's config "
+                "for the LM it serves (weights.checkpoint.mimi_ring_rule)"
             )
         self.lm_gen = LMGen(lm, num_slots, kv, kv_dtype=kv_dtype)
         self.text_only = lm.cfg.text_only  # no DepFormer, no Mimi decode (and no decoder state)
