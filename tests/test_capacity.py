@@ -6,18 +6,19 @@ bad input as one line, exit 2."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from duplexd.commands.capacity import CUDA_CONTEXT, capacity
+from duplexd.commands.capacity import CUDA_CONTEXT, capacity, lm_config
 from duplexd.commands.cli import main
 from duplexd.engine.devices import check_kv_dtype
 from duplexd.engine.dialogue.engine import CUDA_HEADROOM, Engine, EngineConfig
 from duplexd.engine.errors import DeviceError
-from duplexd.engine.models.config import DEMO, DEMO_MIMI, MOSHI_7B, ConfigError, LMConfig
+from duplexd.engine.models.config import DEMO, DEMO_MIMI, MOSHI_7B, PERSONAPLEX_7B, PRESETS, ConfigError, LMConfig
 from duplexd.engine.models.int8_weights import Int8Weight, weight_dtypes
 from duplexd.engine.models.mimi import MimiModel, MimiStreams
 from duplexd.engine.weights.checkpoint import build_lm, int8_plan, quantize_lm_
@@ -207,6 +208,28 @@ def test_bad_input_is_one_line_naming_the_option(capsys, args, message):
     assert main(["capacity", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("cfg", "rule", "mimi"),
+    [(PERSONAPLEX_7B, "personaplex", "mimi"), (PRESETS["stt-1b"], "moshi", "mimi-32")],
+    ids=["personaplex-7b", "stt-1b"],
+)
+def test_a_config_file_is_read_as_the_server_reads_its_checkpoint(tmp_path, cfg, rule, mimi):
+    """`--config`: the ring rule the server gives a checkpoint of it (`checkpoint_ring_rule`: NVIDIA's for a
+    PersonaPlex LM, which its config.json cannot say) and, without --mimi-preset, the Mimi the server picks."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_reference_json()))
+    _, read, picked = lm_config(argparse.Namespace(config=str(path), model=None, mimi_preset=None))
+    assert (read.ring_rule, picked) == (rule, mimi)
+
+
+def test_a_config_file_is_sized_as_its_preset(capsys, tmp_path):
+    """`--config` alone, with no --mimi-preset, sizes what the same preset does (the Mimi is the server's pick)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MOSHI_7B.to_reference_json()))
+    by_file = _capacity_json(capsys, "--gpu-memory", "80GB", "--config", str(path))
+    assert by_file["sessions"] == _capacity_json(capsys, "--gpu-memory", "80GB", "--model", "moshi-7b")["sessions"]
 
 
 def test_a_shorter_window_fits_more_sessions(capsys):

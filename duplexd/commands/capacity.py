@@ -37,7 +37,13 @@ from duplexd.engine.models.mimi import MimiModel, MimiStreams
 from duplexd.engine.tts.config import tts_config_from_dict
 from duplexd.engine.tts.demo import tts_keys
 from duplexd.engine.tts.sizing import speech_memory
-from duplexd.engine.weights.checkpoint import build_lm, int8_plan, mimi_ring_rule, read_lm_config
+from duplexd.engine.weights.checkpoint import (
+    build_lm,
+    checkpoint_ring_rule,
+    int8_plan,
+    mimi_ring_rule,
+    read_lm_config,
+)
 
 GiB = 2**30
 CUDA_CONTEXT = GiB  # the CUDA context, cuBLAS workspaces and loaded kernels, before the engine sizes its pool
@@ -117,11 +123,14 @@ def formats(dtypes: dict[str, str]) -> str:
 
 
 def lm_config(args: argparse.Namespace) -> tuple[str, LMConfig, str]:
-    """(name, LM config, Mimi preset) from --model or --config."""
+    """(name, LM config, Mimi preset) from --model or --config. A config file gets the ring rule serving gives its
+    checkpoint (`checkpoint_ring_rule`), and, unless --mimi-preset says otherwise, the full-size Mimi with the
+    codebooks it reads (all 32 for a speech-to-text LM), as the server picks them."""
     if args.config is not None:
         if args.model is not None:
             raise InputRefused("give --model or --config, not both", "config")
-        return Path(args.config).name, read_lm_config(args.config), args.mimi_preset
+        cfg = checkpoint_ring_rule(read_lm_config(args.config))
+        return Path(args.config).name, cfg, args.mimi_preset or ("mimi-32" if cfg.text_only else "mimi")
     model = args.model or "moshi-7b"
     if model not in PRESETS:
         raise InputRefused(f"{model}: not a preset; pick one of {', '.join(sorted(PRESETS))}", "model")
