@@ -198,14 +198,12 @@ def test_split_frames_pads_the_last_frame():
 # A Python without matplotlib (`sys.modules[name] = None` makes every import of it fail), running `duplexd loadtest`
 # with the arguments given against an address where a socket listens but nothing answers.
 WITHOUT_MATPLOTLIB = """
-import argparse, sys
+import sys
 sys.modules["matplotlib"] = None
 from duplexd.clients import loadtest_cli
-parser = argparse.ArgumentParser()
-loadtest_cli.add_parser(parser.add_subparsers())
-args = parser.parse_args(sys.argv[1:])
+from duplexd.commands.cli import main
 assert loadtest_cli.plot_path(None) is None  # the default plot is skipped, not required
-sys.exit(args.func(args))
+sys.exit(main(sys.argv[1:]))
 """
 
 
