@@ -382,6 +382,13 @@ def test_clients_talk_to_the_server_over_the_wire_only():
     assert not offences, "\n".join(offences)
 
 
+def test_no_import_cycle_among_the_client_modules():
+    """A connection's base class, its protocols and the factory choosing between them import one way."""
+    graph = _duplexd_imports("duplexd.clients")
+    assert "duplexd.clients.kyutai" in graph["duplexd.clients.protocols"]  # the graph is really built
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
 def test_the_wire_format_imports_nothing_of_duplexd():
     assert _duplexd_imports("duplexd.wire")["duplexd.wire"] == set()
 

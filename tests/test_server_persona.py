@@ -37,7 +37,8 @@ from websockets.asyncio.client import connect
 
 from duplexd.clients.audio import write_wav
 from duplexd.clients.chat import chat
-from duplexd.clients.connection import ConnectOptions, Refused, Sampling, open_connection
+from duplexd.clients.connection import ConnectOptions, Refused, Sampling
+from duplexd.clients.protocols import open_connection
 from duplexd.commands.cli import main
 from duplexd.engine.dialogue.pipeline import Pipeline
 from duplexd.engine.dialogue.sampling import SamplingParams

@@ -18,7 +18,8 @@ import httpx2
 import pytest
 
 from duplexd.clients.audio import speech_like, write_wav
-from duplexd.clients.connection import ConnectOptions, open_connection
+from duplexd.clients.connection import ConnectOptions
+from duplexd.clients.protocols import open_connection
 
 from .browser import CHROMIUM, launch_args
 from .live_server import running_server

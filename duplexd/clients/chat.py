@@ -22,8 +22,9 @@ from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, split_frames
 
 from .audio import InputError, read_audio, write_wav
 from .cli_args import add_connection_args, connect_options
-from .connection import ConnectionFailed, ConnectOptions, describe_server, open_connection
+from .connection import ConnectionFailed, ConnectOptions, describe_server
 from .pacing import Pacer
+from .protocols import open_connection
 
 
 @dataclass

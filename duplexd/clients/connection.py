@@ -1,8 +1,8 @@
 """One client connection to a duplexd (or Kyutai) server, whatever the protocol: open, send frames, read events.
 
-`open_connection` picks the protocol; both speak the same small interface so `duplexd chat` and the load tester
-are written once. A refusal (no capacity, bad key, bad parameters) is a `Refused` with the server's close code
-and message; anything else that goes wrong is a `ConnectionFailed`.
+`protocols.open_connection` picks the protocol; both speak the same small interface so `duplexd chat` and the
+load tester are written once. A refusal (no capacity, bad key, bad parameters) is a `Refused` with the server's
+close code and message; anything else that goes wrong is a `ConnectionFailed`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import NoReturn
 from urllib.parse import urlencode, urlsplit, urlunsplit
@@ -199,30 +199,6 @@ class Connection(ABC):
     @abstractmethod
     def encode(self, pcm: np.ndarray) -> str | bytes:
         """One message carrying `pcm` (float32 at 24 kHz)."""
-
-
-def open_connection(options: ConnectOptions) -> Connection:
-    """A (not yet opened) connection for `options.protocol`."""
-    if options.protocol == "kyutai":
-        from .kyutai import KyutaiConnection
-
-        return KyutaiConnection(options)
-    if options.protocol == "realtime":
-        from .realtime import RealtimeConnection
-
-        return RealtimeConnection(options)
-    raise ValueError(f"unknown protocol {options.protocol!r} (kyutai or realtime)")
-
-
-def encode_stream(protocol: str, frames: Iterable[np.ndarray]) -> list[str | bytes]:
-    """The wire messages of a whole input, one per frame, ready for `Connection.send_message`."""
-    if protocol == "kyutai":
-        from .kyutai import encode_stream as kyutai_stream
-
-        return list(kyutai_stream(frames))
-    from .realtime import encode_stream as realtime_stream
-
-    return list(realtime_stream(frames))
 
 
 def http_url(options: ConnectOptions, path: str) -> str:

@@ -21,8 +21,9 @@ import numpy.typing as npt
 from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, split_frames
 
 from .audio import level_db, read_audio, speech_like
-from .connection import Connection, ConnectionFailed, ConnectOptions, Refused, encode_stream, open_connection
+from .connection import Connection, ConnectionFailed, ConnectOptions, Refused
 from .pacing import Pacer
+from .protocols import encode_stream, open_connection
 from .stats import Overall, SessionTrace, StatsConfig, as_dict, overall, session_stats, timeline
 
 logger = logging.getLogger(__name__)

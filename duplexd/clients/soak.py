@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from duplexd.wire import FRAME_SECONDS
 
-from .connection import ConnectOptions, encode_stream, http_get
+from .connection import ConnectOptions, http_get
 from .loadtest import LoadTestConfig, Progress, _Session, input_frames
+from .protocols import encode_stream
 from .report import Thresholds, failures
 from .stats import DEFAULT_STATS, Overall, SessionTrace, StatsConfig, as_dict, late_flags, overall, session_stats
 
