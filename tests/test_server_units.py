@@ -356,6 +356,49 @@ def test_runtime_admits_on_the_engine_with_most_room():
         runtime.open_session(SamplingParams())
 
 
+def test_a_waiting_admission_counts_one_refusal():
+    """`admit_waiting` (moshi-server's POST): a slot freed during the wait is taken and nothing is counted; a server
+    full for the whole wait is one refusal, counted once; a draining server refuses at once."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from duplexd.engine.errors import CapacityError
+    from duplexd.server.connection.admission import Refusal, admit_waiting
+
+    class Runtime:
+        def __init__(self, full_tries: int) -> None:
+            self.full_tries, self.tries = full_tries, 0
+
+        def open_session(self, params, max_frames=None, prompt=None):
+            self.tries += 1
+            if self.tries <= self.full_tries:
+                raise CapacityError("no free slot")
+            return "session"
+
+    def context(full_tries: int, draining: bool = False) -> SimpleNamespace:
+        registry = CollectorRegistry()
+        refused = Counter("refused", "sessions refused", ["reason"], registry=registry)
+        metrics = SimpleNamespace(refused=refused, registry=registry)
+        return SimpleNamespace(runtime=Runtime(full_tries), drain=SimpleNamespace(draining=draining), metrics=metrics)
+
+    def refused(ctx: SimpleNamespace) -> dict[str, float]:
+        samples = ctx.metrics.registry.collect()
+        return {s.labels["reason"]: s.value for m in samples for s in m.samples if s.name == "refused_total"}
+
+    def admitted(ctx: SimpleNamespace, seconds: float) -> str:
+        return asyncio.run(admit_waiting(ctx, "asr_post", SamplingParams(), seconds, retry=0.01))  # type: ignore[arg-type]
+
+    freed = context(full_tries=3)
+    assert admitted(freed, seconds=5.0) == "session" and freed.runtime.tries == 4 and refused(freed) == {}
+    full = context(full_tries=1000)
+    with pytest.raises(Refusal, match="no free slot") as refusal:
+        admitted(full, seconds=0.1)
+    assert refusal.value.busy and full.runtime.tries > 3 and refused(full) == {"capacity": 1.0}
+    draining = context(full_tries=0, draining=True)
+    with pytest.raises(Refusal, match="draining"):
+        admitted(draining, seconds=5.0)
+    assert draining.runtime.tries == 0 and refused(draining) == {"draining": 1.0}
+
+
 def test_realtime_pcm16_and_audio_delta_template():
     rng = np.random.default_rng(0)
     pcm = np.concatenate([rng.standard_normal(1914).astype(np.float32), np.float32([1.5, -1.5, 0.5, -0.5, 1e-5, 0])])

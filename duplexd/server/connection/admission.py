@@ -2,12 +2,15 @@
 
 The upgrade is accepted first so that every refusal reaches the client as a protocol error message plus a close
 code (1008 access, 1007 bad parameters, 1013 no capacity or draining), never as a silent HTTP 403 or a hang. The
-slot itself (`admit`) is the same step for a WebRTC call, which says its `Refusal` as an HTTP error instead.
+slot itself (`admit`) is the same step for a WebRTC call, which says its `Refusal` as an HTTP error instead, and for
+moshi-server's POST of a file, which waits for one (`admit_waiting`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from starlette.websockets import WebSocket
@@ -57,6 +60,19 @@ def admit(
     except ValueError as e:  # the engine cannot take this persona's prompt (checked before, said again)
         metrics.refused.labels("invalid_parameter").inc()
         raise Refusal("invalid_parameter", f"persona prompt refused: {e}", busy=False) from None
+
+
+async def admit_waiting(ctx: ServerContext, name: str, params: SamplingParams, seconds: float, retry: float) -> Session:
+    """`admit` for a request that waits for a slot while the server is full rather than be refused at once (moshi-
+    server's POST tries 1000 times, 100 ms apart): a slot is tried every `retry` s for `seconds`, or until the server
+    drains, and then `admit` decides, so that a refusal is counted and logged once, as the one it is."""
+    deadline = time.monotonic() + seconds
+    while not ctx.drain.draining and time.monotonic() < deadline:
+        try:
+            return ctx.runtime.open_session(params)
+        except CapacityError:
+            await asyncio.sleep(retry)
+    return admit(ctx, name, params)
 
 
 async def serve(

@@ -23,9 +23,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from duplexd.engine.dialogue.session import Session
-from duplexd.engine.errors import CapacityError
 from duplexd.server.codec.upload import MAX_RATE, MIN_RATE, UploadError, sniff
 from duplexd.server.connection.access import key_ok
+from duplexd.server.connection.admission import Refusal, admit_waiting
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.stt.session import GREEDY, new_feeder, new_stream
 
@@ -86,19 +86,6 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _admit(ctx: ServerContext) -> Session:
-    deadline = time.monotonic() + SLOT_WAIT_SECONDS
-    while True:
-        if ctx.drain.draining:
-            raise Refused(503, "server_draining", "server draining (shutting down): send it to another replica")
-        try:
-            return ctx.runtime.open_session(GREEDY)
-        except CapacityError as e:
-            if time.monotonic() >= deadline:
-                raise Refused(503, "capacity", f"no free channels: {e}") from None
-        await asyncio.sleep(SLOT_RETRY_SECONDS)
-
-
 async def transcribe(ctx: ServerContext, session: Session, pcm: np.ndarray) -> list[dict]:
     """The Word and EndWord messages of `pcm` streamed through `session`, up to its marker's echo."""
     stream = new_stream(ctx)
@@ -135,7 +122,7 @@ async def transcribe_file(request: Request, ctx: Context) -> Response:
             pcm = await asyncio.to_thread(decode_24k, data, seconds)
         except UploadError as e:
             raise Refused(e.status, e.code, str(e)) from None
-        session = await _admit(ctx)
+        session = await admit_waiting(ctx, "asr_post", GREEDY, SLOT_WAIT_SECONDS, SLOT_RETRY_SECONDS)
         started = time.perf_counter()
         try:
             words = await transcribe(ctx, session, pcm)
@@ -144,5 +131,7 @@ async def transcribe_file(request: Request, ctx: Context) -> Response:
     except Refused as e:
         ctx.metrics.refused.labels(e.error).inc()
         return e.response()
+    except Refusal as r:  # draining, or still full after the wait: `admit` counted it
+        return JSONResponse({"error": r.error, "message": str(r)}, status_code=503)
     logger.info("asr file of %.1f s: %d messages in %.2f s", len(pcm) / RATE, len(words), time.perf_counter() - started)
     return JSONResponse(words)
