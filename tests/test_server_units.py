@@ -399,6 +399,78 @@ def test_a_waiting_admission_counts_one_refusal():
     assert draining.runtime.tries == 0 and refused(draining) == {"draining": 1.0}
 
 
+def _tts_connection(idle: float, send_bytes=None):
+    """A `/api/tts_streaming` connection on stand-ins: its watch and its sends need only the settings and a socket."""
+    from duplexd.server.moshi_server.tts import TtsConnection
+
+    ctx = SimpleNamespace(
+        runtime=SimpleNamespace(speech=SimpleNamespace(words=lambda: None)),
+        settings=SimpleNamespace(tts_idle_timeout=idle, send_timeout=0.05),
+    )
+    return TtsConnection(SimpleNamespace(send_bytes=send_bytes), ctx, SimpleNamespace(slot=0), "Pcm", None)  # type: ignore[arg-type]
+
+
+def test_the_tts_watch_sleeps_once_the_text_has_ended(monkeypatch):
+    """No polling: once the text has ended the watch reads no clock and waits for `end` (the drain) alone, which
+    ends the stream at once; before, it closes a stream idle for `--tts-idle-timeout`."""
+    from duplexd.server.moshi_server import tts
+
+    reads: list[float] = []  # each read of the module's clock: a wake-up of the watch
+
+    def monotonic() -> float:
+        reads.append(now := time.monotonic())
+        return now
+
+    async def go() -> None:
+        ended = _tts_connection(idle=0.05)
+        ended.finished = True
+        monkeypatch.setattr(tts, "time", SimpleNamespace(monotonic=monotonic))
+        watch = asyncio.create_task(ended.watch())
+        await asyncio.sleep(0.6)
+        assert not watch.done() and reads == []
+        ended.end(Close(CloseCode.GOING_AWAY, "server_shutdown"))
+        with pytest.raises(Close, match="server_shutdown"):
+            await asyncio.wait_for(watch, 1.0)
+        started = time.monotonic()
+        with pytest.raises(Close, match="idle timeout") as idle:
+            await asyncio.wait_for(_tts_connection(idle=0.05).watch(), 1.0)
+        assert idle.value.error == "idle_timeout" and time.monotonic() - started < 0.5
+
+    asyncio.run(go())
+
+
+def test_a_failed_send_is_the_client_lost_and_any_other_failure_ours(caplog):
+    """The ending bookkeeping the pump and a TTS stream share (`count_end`): a send that fails is `Disconnected`,
+    `lost` (the transport is gone), one that stalls is `slow_reader`, and any other failure `internal_error`, logged."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from duplexd.server.connection.closing import Disconnected
+    from duplexd.server.connection.pump import count_end
+
+    async def broken(data: bytes) -> None:
+        raise RuntimeError("Unexpected ASGI message 'websocket.send', after sending 'websocket.close'")
+
+    async def stalled(data: bytes) -> None:
+        await asyncio.Event().wait()
+
+    ends: list[BaseException] = []
+    for send_bytes in (broken, stalled):
+        with pytest.raises((Disconnected, Close)) as failed:
+            asyncio.run(_tts_connection(1.0, send_bytes).send(b"audio"))
+        ends.append(failed.value)
+    registry = CollectorRegistry()
+    metrics = SimpleNamespace(
+        closed=Counter("closed", "", ["reason"], registry=registry),
+        protocol_errors=Counter("errors", "", ["protocol", "error"], registry=registry),
+    )
+    with caplog.at_level("ERROR"):
+        got = [count_end(e, metrics, "tts", "tts stream 0") for e in (*ends, KeyError("a bug of ours"))]  # type: ignore[arg-type]
+    assert [type(e).__name__ for e in got] == ["Disconnected", "Close", "Close"]
+    counted = {s.labels["reason"]: s.value for m in registry.collect() for s in m.samples if s.name == "closed_total"}
+    assert counted == {"lost": 1.0, "slow_reader": 1.0, "internal_error": 1.0}
+    assert [r.getMessage() for r in caplog.records] == ["tts stream 0 failed"]
+
+
 def test_realtime_pcm16_and_audio_delta_template():
     rng = np.random.default_rng(0)
     pcm = np.concatenate([rng.standard_normal(1914).astype(np.float32), np.float32([1.5, -1.5, 0.5, -0.5, 1e-5, 0])])

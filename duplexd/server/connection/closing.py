@@ -48,6 +48,17 @@ class Disconnected(Exception):  # noqa: N818
         return "client" if self.code in (CloseCode.NORMAL, CloseCode.GOING_AWAY) else "lost"
 
 
+def slow_reader(timeout: float) -> Close:
+    """The close for a client that stopped reading (one send blocked for `timeout` s): the close frame alone, as an
+    error message would block too."""
+    return Close(
+        CloseCode.POLICY_VIOLATION,
+        "slow_reader",
+        f"the client stopped reading: a send was blocked for {timeout:g} s",
+        notify=False,
+    )
+
+
 def close_for_session_end(reason: str | None) -> Close:
     """The close that tells the client why the engine ended its session."""
     if reason == "max_frames":

@@ -36,7 +36,7 @@ from duplexd.engine.transcription.service import TranscriptEvent, TranscriptionS
 from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT
 from duplexd.server.core.metrics import Metrics
 
-from .closing import Close, CloseCode, Disconnected, close_for_session_end
+from .closing import Close, CloseCode, Disconnected, close_for_session_end, slow_reader
 
 logger = logging.getLogger(__name__)
 
@@ -272,12 +272,7 @@ class Pump:
                 raise Close(CloseCode.NORMAL, "idle_timeout", f"idle timeout: no message for {limits.idle_timeout:g} s")
             sending = self._sending_since
             if sending is not None and now >= sending + limits.send_timeout:
-                raise Close(
-                    CloseCode.POLICY_VIOLATION,
-                    "slow_reader",
-                    f"the client stopped reading: a send was blocked for {limits.send_timeout:g} s",
-                    notify=False,
-                )
+                raise slow_reader(limits.send_timeout)
             # A send that starts after now cannot time out before now + send_timeout.
             await asyncio.sleep(min(idle_at, (now if sending is None else sending) + limits.send_timeout) - now)
 
@@ -321,22 +316,33 @@ class Pump:
                 with contextlib.suppress(BaseException):
                     await task
             self.session.close("client")
-        return await self.finish(outcome)
+        end = count_end(outcome, self.metrics, self.adapter.name, f"session {self.session.id}")
+        if isinstance(end, Close):
+            await close_connection(self.adapter, end, self.limits.send_timeout)
+        return end
 
-    async def finish(self, outcome: BaseException | None) -> Close | Disconnected:
-        if outcome is None:
-            outcome = Disconnected("client left")
-        if isinstance(outcome, Disconnected):
-            self.metrics.closed.labels(outcome.label).inc()
-            return outcome
-        if not isinstance(outcome, Close):
-            logger.error("session %s failed", self.session.id, exc_info=outcome)
-            outcome = Close(CloseCode.INTERNAL_ERROR, "internal_error", "internal server error")
-        self.metrics.closed.labels(outcome.error).inc()
-        if outcome.code in BAD_INPUT:
-            self.metrics.protocol_errors.labels(self.adapter.name, outcome.error).inc()
-        await close_connection(self.adapter, outcome, self.limits.send_timeout)
+
+def count_end(outcome: BaseException | None, metrics: Metrics, protocol: str, name: str) -> Close | Disconnected:
+    """How a connection ended (its first task's exception), counted once: `closed` by a disconnect's label or a
+    close's error, and `protocol_errors` (under `protocol`) for bad input.
+
+    `lost` and `internal_error` are kept apart on purpose: `lost` is the client's side (a dropped connection, and a
+    send that failed, which its sender raises as `Disconnected`: the transport is gone and nothing of ours needs
+    mending), while anything else that ended a connection is a failure of ours, logged with its traceback and
+    counted `internal_error` (1011 to the client). No outcome (None: the tasks each end by raising, so none gave a
+    reason) is taken as the connection gone: `lost`."""
+    if outcome is None:
+        outcome = Disconnected("client left")
+    if isinstance(outcome, Disconnected):
+        metrics.closed.labels(outcome.label).inc()
         return outcome
+    if not isinstance(outcome, Close):
+        logger.error("%s failed", name, exc_info=outcome)
+        outcome = Close(CloseCode.INTERNAL_ERROR, "internal_error", "internal server error")
+    metrics.closed.labels(outcome.error).inc()
+    if outcome.code in BAD_INPUT:
+        metrics.protocol_errors.labels(protocol, outcome.error).inc()
+    return outcome
 
 
 async def close_connection(adapter: Adapter, close: Close, timeout: float) -> None:

@@ -10,7 +10,8 @@ the text; the audio follows, 80 ms a message, each word as a `Text` message time
 j, taken at step c_j, runs from (c_j + 1) / 12.5 s to (c_{j+1} + 1) / 12.5 s; the last to the stream's step count),
 and the close frame once all is said. After `Ready`, every end is the close frame alone (`stream.StreamAdapter`'s
 rule): 1007 for a message it cannot read or a voice it cannot use, 1000 for a client silent for
-`--tts-idle-timeout` (30 s) before its end of text, 1001 on shutdown.
+`--tts-idle-timeout` (30 s) before its end of text, 1008 for one that stopped reading (a send blocked for
+`--send-timeout`), 1001 on shutdown.
 
 POST with a JSON body `{text, voice}` answers a streaming 16-bit WAV (its sizes unknown, so 0xFFFFFFFF), as
 moshi-server does; a full server answers 503 at once rather than holding the request.
@@ -36,8 +37,8 @@ from duplexd.engine.tts.service import SpeechChunk, SpeechEnd, SpeechStream, Wor
 from duplexd.server.codec.batches import Encoder
 from duplexd.server.codec.wav import pcm16, wav_header
 from duplexd.server.connection.access import key_ok
-from duplexd.server.connection.closing import Close, CloseCode, Disconnected
-from duplexd.server.connection.pump import check_size, close_socket, receive
+from duplexd.server.connection.closing import Close, CloseCode, Disconnected, slow_reader
+from duplexd.server.connection.pump import check_size, close_socket, count_end, receive
 from duplexd.server.connection.speech import open_speech, say, speech_of, spoken
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.core.speech import VoiceRefused
@@ -97,7 +98,15 @@ class TtsConnection:
         self._ended.set()
 
     async def send(self, data: bytes) -> None:
-        await asyncio.wait_for(self.ws.send_bytes(data), self.ctx.settings.send_timeout)
+        """One message to the client, as the pump sends: blocked for `--send-timeout`, the client is not reading
+        (`slow_reader`); failed, the transport is gone (`Disconnected`, counted `lost`: `pump.count_end`)."""
+        timeout = self.ctx.settings.send_timeout
+        try:
+            await asyncio.wait_for(self.ws.send_bytes(data), timeout)
+        except asyncio.TimeoutError:
+            raise slow_reader(timeout) from None
+        except Exception as e:  # noqa: BLE001 - any failure of the transport means the same
+            raise Disconnected(f"send failed: {e!r}") from None
 
     # ------------------------------------------------------------------------------------------- client → model
 
@@ -111,6 +120,8 @@ class TtsConnection:
                 self.on_message(messages.decode(message))
             except (MessageError, VoiceRefused) as e:
                 raise Close(CloseCode.INVALID_PAYLOAD, "invalid_message", str(e)) from None
+            except SessionClosed:  # the stream ended under the text: the writer sees the end and says why
+                pass
 
     def on_message(self, msg: messages.ClientMessage) -> None:
         if isinstance(msg, messages.VoiceMessage):
@@ -166,23 +177,22 @@ class TtsConnection:
             await self.send(pages if self.format == "OggOpus" else messages.ogg_opus(pages))
 
     async def watch(self) -> None:
-        """The idle timeout: a stream waiting for text that sends nothing for `--tts-idle-timeout` is closed (once
-        its text has ended, the speech it waits for may take longer)."""
+        """What ends a stream from outside its socket: `end` (the drain timed out), or the idle timeout, which closes
+        a stream waiting for text that sends nothing for `--tts-idle-timeout` (once its text has ended, the speech
+        it waits for may take longer). It wakes at each idle deadline (a message since moves it later) and at `end`,
+        and after the end of the text at `end` alone."""
         timeout = self.ctx.settings.tts_idle_timeout
-        while True:
-            idle_at = self.last_message + timeout
-            now = time.monotonic()
-            if now >= idle_at and not self.finished:
+        while not self._ended.is_set():
+            wait = None if self.finished else self.last_message + timeout - time.monotonic()
+            if wait is not None and wait <= 0:
                 raise Close(CloseCode.NORMAL, "idle_timeout", f"idle timeout: no message for {timeout:g} s")
-            await asyncio.sleep(max(idle_at - now, 0.5))
-
-    async def until_ended(self) -> None:
-        await self._ended.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), wait)
         assert self._end_close is not None
         raise self._end_close
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(job()) for job in (self.read, self.write, self.watch, self.until_ended)]
+        tasks = [asyncio.create_task(job()) for job in (self.read, self.write, self.watch)]
         outcome: BaseException | None = None
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -196,18 +206,9 @@ class TtsConnection:
             self.stream.close()
             if self.encoder is not None:
                 self.ctx.codec.release(self.encoder)
-        metrics = self.ctx.metrics
-        if isinstance(outcome, Disconnected) or outcome is None:
-            metrics.closed.labels("client" if outcome is None else outcome.label).inc()
-            return
-        if not isinstance(outcome, Close):
-            if not isinstance(outcome, (asyncio.TimeoutError, OSError, RuntimeError)):
-                logger.error("tts stream failed", exc_info=outcome)
-            outcome = Close(CloseCode.INTERNAL_ERROR, "internal_error", "internal server error")
-        metrics.closed.labels(outcome.error).inc()
-        if outcome.code in (CloseCode.INVALID_PAYLOAD, CloseCode.MESSAGE_TOO_BIG):
-            metrics.protocol_errors.labels("tts", outcome.error).inc()
-        await close_socket(self.ws, outcome, self.ctx.settings.send_timeout)
+        end = count_end(outcome, self.ctx.metrics, "tts", f"tts stream {self.stream.slot}")
+        if isinstance(end, Close):
+            await close_socket(self.ws, end, self.ctx.settings.send_timeout)
 
 
 def stream_format(ws: WebSocket) -> str | None:
