@@ -35,6 +35,7 @@ import soundfile as sf
 import sphn
 import torch
 from openai.types import realtime as rt
+from openai.types.realtime.realtime_server_event import ConversationItemRetrieved
 from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
 from websockets.asyncio.client import connect
@@ -587,9 +588,11 @@ def test_openai_sdk_commit_gets_the_words_of_the_audio(server, reference):
             events = []
             while not isinstance(events[-1:] and events[-1], rt.ConversationItemInputAudioTranscriptionCompletedEvent):
                 events.append(await asyncio.wait_for(conn.recv(), 30))
-            return events
+            await conn.conversation.item.retrieve(item_id=events[-1].item_id)
+            retrieved = await asyncio.wait_for(conn.recv(), 30)
+            return events, retrieved
 
-    events = run(main())
+    events, retrieved = run(main())
     committed = [e for e in events if isinstance(e, rt.InputAudioBufferCommittedEvent)]
     deltas = [e for e in events if isinstance(e, rt.ConversationItemInputAudioTranscriptionDeltaEvent)]
     completed = events[-1]
@@ -597,6 +600,8 @@ def test_openai_sdk_commit_gets_the_words_of_the_audio(server, reference):
     assert not [e for e in events if isinstance(e, rt.InputAudioBufferSpeechStartedEvent)]  # no turn detection
     assert completed.transcript == " ".join(words)
     assert "".join(d.delta for d in deltas if d.item_id == completed.item_id) == completed.transcript
+    assert isinstance(retrieved, ConversationItemRetrieved), retrieved  # the item, with its whole transcript
+    assert retrieved.item.id == completed.item_id and retrieved.item.content[0].transcript == completed.transcript
     other = [text for text, start in expected_words(reference, speech(2.5, seed=4), DELAY + 1) if start < at]
     assert other != words  # other audio, other words: the transcript is the audio's
 

@@ -350,16 +350,20 @@ def test_beta_shape_with_language_and_prompt_then_off(transcribing, hf, tokenize
             on, _ = await client.until("session.updated")
             sender = Paced(client.append, on_the_wire(first), speed=2.0)
             completed, before = await client.until("conversation.item.input_audio_transcription.completed")
+            await client.send(type="conversation.item.retrieve", item_id=completed["item_id"])
+            retrieved = [(await client.until("conversation.item.retrieved"))[0]]
             await client.send(type="session.update", session={"input_audio_transcription": None})
             off, _ = await client.until("session.updated")
+            await client.send(type="conversation.item.retrieve", item_id=completed["item_id"])
+            retrieved.append((await client.until("conversation.item.retrieved"))[0])  # off: its items stay
             await sender.stop()
             audio_before = client.audio_frames
             sender = Paced(client.append, on_the_wire(second), speed=2.0)
             after = await client.quiet(sender, 1.5)
             await sender.stop()
-            return on, completed, before, off, after, client.audio_frames - audio_before
+            return on, completed, before, retrieved, off, after, client.audio_frames - audio_before
 
-    on, completed, before, off, after, audio_frames = asyncio.run(asyncio.wait_for(main(), 60))
+    on, completed, before, retrieved, off, after, audio_frames = asyncio.run(asyncio.wait_for(main(), 60))
     shown = {**settings, "model": TRANSCRIBER}
     assert on["session"]["input_audio_transcription"] == shown
     assert on["session"]["audio"]["input"]["transcription"] == shown
@@ -373,6 +377,8 @@ def test_beta_shape_with_language_and_prompt_then_off(transcribing, hf, tokenize
     ]
     [(_, _, text)] = reference(hf, tokenizer, silero, on_the_wire(first), prompt)
     assert completed["transcript"] == text and completed["item_id"] == before[0]["item_id"]
+    item = {**before[3]["item"], "content": [{"type": "input_audio", "transcript": text}]}
+    assert [e["item"] for e in retrieved] == [item, item]  # as announced, with its transcript, on and off
     assert off["session"]["input_audio_transcription"] is None
     assert off["session"]["audio"]["input"]["transcription"] is None
     assert after == [] and audio_frames >= 2  # speech, no transcription events; the conversation goes on
@@ -407,8 +413,9 @@ def test_bad_transcription_settings_are_refused_by_name(transcribing):
     }
 
 
-def test_no_transcriber_is_a_non_fatal_error(plain):
-    """A server without `--transcribe`: the update is refused (and changes nothing), the conversation goes on."""
+def test_no_transcriber_leaves_transcription_off_without_an_error(plain):
+    """A server without `--transcribe`: an update that asks for transcription (as OpenAI's SDKs do by default)
+    applies the rest, and `session.updated` shows transcription as it is, off; no `error`."""
 
     async def main():
         async with raw_session(plain) as client:
@@ -416,16 +423,16 @@ def test_no_transcriber_is_a_non_fatal_error(plain):
                 type="session.update",
                 session={"audio": {"input": {"transcription": {"model": "whisper-1"}}}, "sampling": {"seed": 5}},
             )
-            refused = await client.next()
+            updated = await client.next()
             between = await client.talk(5)
-            await client.send(type="session.update", session={"sampling": {"seed": 6}})
-            updated, _ = await client.until("session.updated")
-            return refused, between, updated
+            await client.send(type="session.update", session={"input_audio_transcription": {}, "sampling": {"seed": 6}})
+            beta, _ = await client.until("session.updated")
+            return updated, between, beta
 
-    refused, between, updated = asyncio.run(asyncio.wait_for(main(), 60))
-    error = refused["error"]
-    assert refused["type"] == "error" and error["code"] == "transcription_unavailable", refused
-    assert error["param"] == "session.audio.input.transcription" and "--transcribe" in error["message"]
-    assert between == []
+    updated, between, beta = asyncio.run(asyncio.wait_for(main(), 60))
+    assert updated["type"] == "session.updated", updated
     assert updated["session"]["audio"]["input"]["transcription"] is None
-    assert updated["session"]["sampling"]["seed"] == 6
+    assert updated["session"]["input_audio_transcription"] is None
+    assert updated["session"]["sampling"]["seed"] == 5
+    assert between == []
+    assert beta["session"]["input_audio_transcription"] is None and beta["session"]["sampling"]["seed"] == 6

@@ -349,6 +349,56 @@ def test_realtime_round_trip(server):
     assert texts and late["type"] == "session.updated"
 
 
+def test_realtime_events_openai_sdks_send_by_default_get_no_error(server):
+    """The model's item retrieved (with its text so far) and truncated (acknowledged), `response.cancel` accepted
+    with no answer; an item the session never announced is not found, and `output_audio_buffer.clear` (a WebRTC
+    call's) is unsupported on a WebSocket."""
+
+    async def main():
+        async with await realtime_open(server) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            audio = tone(6)
+            for i in range(6):
+                await ws.send(append_event(audio[i * FRAME : (i + 1) * FRAME]))
+            while (first := json.loads(await ws.recv()))["type"] != "response.output_audio.delta":
+                pass
+            item_id = first["item_id"]
+            for event in (
+                {"type": "conversation.item.retrieve", "item_id": item_id},
+                {"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0, "audio_end_ms": 80},
+                {"type": "response.cancel", "event_id": "c1"},
+                {"type": "conversation.item.retrieve", "event_id": "r2", "item_id": "item_never"},
+                {"type": "output_audio_buffer.clear", "event_id": "o1"},
+                {"type": "session.update", "session": {"sampling": {"seed": 2}}},
+            ):
+                await ws.send(json.dumps(event))
+            said, said_before, others = [], None, []
+            while not others or others[-1]["type"] != "session.updated":
+                event = json.loads(await asyncio.wait_for(ws.recv(), 20))
+                if event["type"] == "response.output_audio_transcript.delta":
+                    said.append(event["delta"])
+                elif event["type"] != "response.output_audio.delta":
+                    said_before = "".join(said) if said_before is None else said_before
+                    others.append(event)
+            return item_id, said_before, others
+
+    item_id, said_before, others = run(main())
+    assert [e["type"] for e in others] == [
+        "conversation.item.retrieved",
+        "conversation.item.truncated",
+        "error",
+        "error",
+        "session.updated",
+    ]
+    retrieved, truncated, not_found, clear, _ = others
+    item = retrieved["item"]
+    assert item["id"] == item_id and item["role"] == "assistant" and item["status"] == "in_progress"
+    assert item["content"][0]["type"] == "output_audio" and item["content"][0]["transcript"].startswith(said_before)
+    assert (truncated["item_id"], truncated["content_index"], truncated["audio_end_ms"]) == (item_id, 0, 80)
+    assert (not_found["error"]["code"], not_found["error"]["event_id"]) == ("item_not_found", "r2")
+    assert (clear["error"]["code"], clear["error"]["event_id"]) == ("unsupported_event", "o1")
+
+
 def test_realtime_text_penalties_from_the_query_and_refused_values(server):
     """The Kyutai query parameters set a Realtime session's penalties; a bad value in a `session.update` is a
     non-fatal error naming the parameter, one in the query string refuses the connection (1007) the same way."""

@@ -107,15 +107,22 @@ def test_a_call_talks_both_ways_and_the_client_hangs_up(server):
         # the tuned jitter buffer, on a live receiver (aiortc's own default holds 4 frames)
         receiver = next(r for r in caller.pc.getReceivers() if r.track.kind == "audio")
         assert receiver._RTCRtpReceiver__jitter_buffer._prefetch == 2
+        # what the SDK sends to interrupt the model: its item is truncated to what went out; then retrieved
+        caller.send({"type": "output_audio_buffer.clear"})
+        await caller.next_event("output_audio_buffer.cleared")
+        truncated = await caller.next_event("conversation.item.truncated")
+        caller.send({"type": "conversation.item.retrieve", "item_id": truncated["item_id"]})
+        retrieved = await caller.next_event("conversation.item.retrieved")
         await caller.hang_up()
-        return started, kinds, heard, caller.first_sound is not None, talked
+        return started, kinds, heard, caller.first_sound is not None, talked, truncated, retrieved["item"]
 
-    started, kinds, heard, sounded, talked = run(main())
+    started, kinds, heard, sounded, talked, truncated, item = run(main())
     # the caller's microphone reached the model all along (80 ms frames; the jitter buffer and the last frame aside)
     assert metric(server, "duplexd_frames_in_total") - frames_in >= 0.8 * talked / 0.08 - 3
     assert started["response_id"]
     assert "response.output_audio_transcript.delta" in kinds
     assert sounded and len(heard) > MIC_RATE and np.abs(heard).max() > 0.01  # the model's speech arrived
+    assert truncated["audio_end_ms"] > 1000 and item["id"] == truncated["item_id"] and item["role"] == "assistant"
     wait_idle(server)  # the client's hang-up freed the slot
     assert metric(server, 'duplexd_sessions_total{protocol="webrtc"}') >= 1
 

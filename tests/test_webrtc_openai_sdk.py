@@ -1,13 +1,21 @@
-"""OpenAI's own browser SDK (`@openai/agents-realtime` from npm, unchanged) in headless Chromium, calling
-`duplexd serve` over WebRTC from a page on another origin: an ephemeral `ek_` key (the SDK refuses any other in a
-browser), CORS, the offer posted before gathering (no candidates), `session.updated` within the SDK's 5 s, the
-model's speech played from the track, transcript events on `oai-events`, and `close()` hanging up (the slot comes
-back). The SDK is bundled once with esbuild (also from npm) and cached outside the repository.
+"""OpenAI's own browser SDK (`@openai/agents-realtime` from npm, unchanged, its default session) in headless
+Chromium against `duplexd serve`, from a page on another origin, over both transports at once: WebRTC (an
+ephemeral `ek_` key, the SDK refuses any other in a browser; CORS; the offer posted before gathering, with no
+candidates; the model's speech played from the track; `close()` hanging up, so the slot comes back) and the
+WebSocket (the key as a subprotocol; the page sends its audio at real time, as an app does).
+
+Each transport runs against a server without a transcriber and one with one (`--transcribe demo`), and no
+session sees an `error`: the SDK asks for input transcription by default (without a transcriber,
+`session.updated` shows it off); it retrieves each user item once its transcript is complete, and on the WebSocket
+it truncates the model's item and cancels the response whenever the user starts speaking, then retrieves that item
+too. The SDK is bundled once with esbuild (also from npm) and cached outside the repository.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import http.server
 import json
 import os
@@ -18,11 +26,15 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from duplexd import wire
 from duplexd.clients.audio import speech_like, write_wav
+from duplexd.wire import SAMPLE_RATE
 
 from .browser import CHROMIUM, launch_args
 from .live_server import free_port, running_server
@@ -33,26 +45,56 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chro
 
 SDK = "@openai/agents-realtime@0.20.0"
 ESBUILD = "esbuild@0.28.2"
+ENTRY = (
+    "export { RealtimeAgent, RealtimeSession, OpenAIRealtimeWebRTC, OpenAIRealtimeWebSocket } "
+    "from '@openai/agents-realtime';\n"
+)
 KEY = "sdk-key"
+TRANSCRIBER = "gemma4-demo"  # the model id the server gives its demo transcriber
 PAGE = """<!doctype html><meta charset="utf-8"><title>agents-realtime</title>
 <script type="module">
-import { RealtimeAgent, RealtimeSession, OpenAIRealtimeWebRTC } from "./sdk.js";
-window.call = async (base, key) => {
-  const events = [];
-  const transport = new OpenAIRealtimeWebRTC({ baseUrl: base + "/v1/realtime/calls" });
-  transport.on("*", (e) => events.push(e.type));
+import { RealtimeAgent, RealtimeSession, OpenAIRealtimeWebRTC, OpenAIRealtimeWebSocket } from "./sdk.js";
+const FRAME = 3840;  // bytes: 80 ms of pcm16 at 24 kHz
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// mic.pcm at real time, then silence, until the session is over (the WebSocket transport takes no microphone).
+async function speak(session, over) {
+  const pcm = await (await fetch("./mic.pcm")).arrayBuffer(), t0 = performance.now();
+  for (let i = 0; !over(); i++) {
+    const at = i * FRAME;
+    session.sendAudio(at + FRAME <= pcm.byteLength ? pcm.slice(at, at + FRAME) : new ArrayBuffer(FRAME));
+    await sleep(t0 + (i + 1) * 80 - performance.now());
+  }
+}
+
+// One session with the SDK's defaults: `seconds` long, and until items of each of `roles` were retrieved (30 s at
+// most).
+window.call = async (base, key, kind, seconds, roles) => {
+  const events = [], errors = [];
+  const transport = kind === "webrtc"
+    ? new OpenAIRealtimeWebRTC({ baseUrl: base + "/v1/realtime/calls" })
+    : new OpenAIRealtimeWebSocket({ url: base.replace(/^http/, "ws") + "/v1/realtime" });
+  transport.on("*", (e) => events.push(e.type === "response.output_audio.delta" ? { type: e.type } : e));
   const session = new RealtimeSession(new RealtimeAgent({ name: "duplexd" }), { transport });
-  const t0 = performance.now();
+  session.on("error", (e) => errors.push(JSON.stringify(e.error)));
   await session.connect({ apiKey: key });
-  const connectedMs = performance.now() - t0;
-  await new Promise((r) => setTimeout(r, 3000));
-  const pc = transport.connectionState.peerConnection;
-  let inbound = null;
-  (await pc.getStats()).forEach((s) => { if (s.type === "inbound-rtp" && s.kind === "audio") inbound = s; });
-  const callId = transport.callId;
+  let over = false;
+  const sending = kind === "websocket" ? speak(session, () => over) : null;
+  const retrieved = (role) => events.some((e) => e.type === "conversation.item.retrieved" && e.item.role === role);
+  await sleep(seconds * 1000);
+  const deadline = performance.now() + 30000;
+  while (performance.now() < deadline && !roles.every(retrieved)) await sleep(100);
+  let packets = 0, energy = 0, callId = null;
+  if (kind === "webrtc") {
+    (await transport.connectionState.peerConnection.getStats()).forEach((s) => {
+      if (s.type === "inbound-rtp" && s.kind === "audio") { packets = s.packetsReceived; energy = s.totalAudioEnergy; }
+    });
+    callId = transport.callId;
+  }
+  over = true;
+  await sending;
   session.close();
-  return { events, connectedMs, callId,
-           packets: inbound ? inbound.packetsReceived : 0, energy: inbound ? inbound.totalAudioEnergy : 0 };
+  return { events, errors, callId, packets, energy };
 };
 window.ready = true;
 </script>"""
@@ -60,11 +102,12 @@ window.ready = true;
 
 @pytest.fixture(scope="module")
 def sdk_bundle() -> Path:
-    """The SDK as one ES module (esbuild), cached under ~/.cache/duplexd-test/npm."""
+    """The SDK as one ES module (esbuild), cached under ~/.cache/duplexd-test/npm by version and entry."""
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("needs node and npm to fetch OpenAI's browser SDK")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duplexd-test" / "npm"
-    bundle = cache / SDK.lstrip("@").replace("/", "-").replace("@", "-") / "sdk.js"
+    name = SDK.lstrip("@").replace("/", "-").replace("@", "-")
+    bundle = cache / f"{name}-{hashlib.sha256(ENTRY.encode()).hexdigest()[:8]}" / "sdk.js"
     if bundle.exists():
         return bundle
     cache.mkdir(parents=True, exist_ok=True)
@@ -74,9 +117,7 @@ def sdk_bundle() -> Path:
         if install.returncode:
             pytest.skip(f"npm install {SDK} failed: {(install.stderr or install.stdout).strip()[-300:]}")
         entry = Path(tmp) / "entry.js"
-        entry.write_text(
-            "export { RealtimeAgent, RealtimeSession, OpenAIRealtimeWebRTC } from '@openai/agents-realtime';\n"
-        )
+        entry.write_text(ENTRY)
         built = subprocess.run(
             [str(Path(tmp) / "node_modules/.bin/esbuild"), str(entry), "--bundle", "--format=esm",
              "--platform=browser", f"--outfile={Path(tmp) / 'sdk.js'}"],
@@ -90,11 +131,20 @@ def sdk_bundle() -> Path:
 
 
 @pytest.fixture(scope="module")
-def page_origin(tmp_path_factory, sdk_bundle):
-    """The web app: its page and the bundle, served from another origin than the API."""
+def mic() -> np.ndarray:
+    """What the user says: silence (the model is speaking by then), one utterance to the VAD, silence."""
+    silence = np.zeros(3 * SAMPLE_RATE // 2, np.float32)
+    return np.concatenate([silence, speech_like(2.5, seed=1), silence])
+
+
+@pytest.fixture(scope="module")
+def page_origin(tmp_path_factory, sdk_bundle, mic):
+    """The web app: its page, the bundle and the audio its WebSocket session sends, served from another origin
+    than the API."""
     root = tmp_path_factory.mktemp("app")
     (root / "index.html").write_text(PAGE)
     shutil.copy(sdk_bundle, root / "sdk.js")
+    (root / "mic.pcm").write_bytes(wire.pcm16(mic).tobytes())
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
     handler.log_message = lambda *a: None  # type: ignore[method-assign]
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
@@ -105,13 +155,26 @@ def page_origin(tmp_path_factory, sdk_bundle):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, page_origin):
-    log = tmp_path_factory.mktemp("sdk-server") / "serve.log"
+def servers(tmp_path_factory, page_origin):
+    """Two servers started side by side, each for one session per transport: without a transcriber and with the
+    demo one."""
+    logs = tmp_path_factory.mktemp("sdk-server")
     env = {"DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache")}
-    args = ("--max-sessions", "1", "--api-key", KEY, "--allowed-origins", page_origin, "--webrtc-hosts", "127.0.0.1")
-    with running_server(log, *args, env=env) as live:
-        yield live
-    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
+    args = ("--max-sessions", "2", "--api-key", KEY, "--allowed-origins", page_origin, "--webrtc-hosts", "127.0.0.1")
+    managers = [
+        running_server(logs / "plain.log", *args, env=env),
+        running_server(logs / "transcribe.log", *args, "--transcribe", "demo", "--transcribe-max-tokens", "8", env=env),
+    ]
+    with contextlib.ExitStack() as stack:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(m.__enter__) for m in managers]
+        for manager, future in zip(managers, futures, strict=True):
+            if future.exception() is None:  # stopped on the way out, even when the other failed to start
+                stack.push(manager.__exit__)
+        lives = [f.result() for f in futures]
+        yield lives
+    for live in lives:
+        assert "Traceback" not in live.log.read_text(), live.log.read_text()[-5000:]
 
 
 def _active(server) -> float:
@@ -120,16 +183,31 @@ def _active(server) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_openai_agents_realtime_sdk_calls_duplexd_over_webrtc(server, page_origin, tmp_path):
+def _ephemeral_key(server) -> str:
     request = urllib.request.Request(
         f"{server.url}/v1/realtime/client_secrets",
         data=json.dumps({"session": {"type": "realtime", "model": "gpt-realtime"}}).encode(),
         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=10) as r:
-        key = json.loads(r.read())["value"]
+        return json.loads(r.read())["value"]
+
+
+def _of(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["type"] == kind]
+
+
+def test_openai_agents_realtime_sdk_default_sessions_see_no_error(servers, page_origin, mic, tmp_path):
+    plain, transcribing = servers
     wav = tmp_path / "mic.wav"
-    write_wav(str(wav), speech_like(4.0, seed=2))
+    write_wav(str(wav), mic)  # the WebRTC calls' microphone (Chromium loops it)
+    sessions = [  # server, transport, the roles of the items to wait for (retrieved)
+        (plain, "webrtc", []),
+        (plain, "websocket", []),
+        (transcribing, "webrtc", ["user"]),
+        (transcribing, "websocket", ["user", "assistant"]),
+    ]
+    runs = [[s.url, _ephemeral_key(s), kind, 3, roles] for s, kind, roles in sessions]
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=launch_args(wav))
         try:
@@ -138,17 +216,39 @@ def test_openai_agents_realtime_sdk_calls_duplexd_over_webrtc(server, page_origi
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(f"{page_origin}/index.html")
             page.wait_for_function("window.ready === true", timeout=30000)
-            result = page.evaluate("([base, key]) => window.call(base, key)", [server.url, key])
+            results = page.evaluate("(runs) => Promise.all(runs.map((r) => window.call(...r)))", runs)
         finally:
             browser.close()
     assert not errors, errors
-    events = result["events"]
-    assert "session.created" in events and "session.updated" in events  # connect() resolved on session.updated
-    assert result["callId"].startswith("rtc_")  # Location, exposed by CORS
-    assert "output_audio_buffer.started" in events and "response.output_audio_transcript.delta" in events
-    assert "response.output_audio.delta" not in events
-    assert result["packets"] > 50 and result["energy"] > 0  # the model's speech played from the track
+    calls = {(server is transcribing, kind): r for (server, kind, _), r in zip(sessions, results, strict=True)}
+    for (transcribes, kind), result in calls.items():
+        events = result["events"]
+        where = f"{kind}, {'with' if transcribes else 'without'} a transcriber"
+        assert not result["errors"] and not _of(events, "error"), (where, result["errors"], _of(events, "error"))
+        assert _of(events, "session.created"), where
+        updated = _of(events, "session.updated")  # connect() resolved on the first
+        shown = updated[-1]["session"]["audio"]["input"]["transcription"]  # as it is: the SDK asked for it
+        assert shown == ({"model": TRANSCRIBER, "language": None, "prompt": None} if transcribes else None), where
+    call = calls[False, "webrtc"]
+    assert call["callId"].startswith("rtc_")  # Location, exposed by CORS
+    assert _of(call["events"], "output_audio_buffer.started")
+    assert _of(call["events"], "response.output_audio_transcript.delta")
+    assert not _of(call["events"], "response.output_audio.delta")
+    assert call["packets"] > 50 and call["energy"] > 0  # the model's speech played from the track
+    assert _of(calls[False, "websocket"]["events"], "response.output_audio.delta")  # the model speaks back
+    for kind in ("webrtc", "websocket"):
+        events = calls[True, kind]["events"]
+        completed = _of(events, "conversation.item.input_audio_transcription.completed")
+        transcripts = {e["item_id"]: e["transcript"] for e in completed}
+        users = [e["item"] for e in _of(events, "conversation.item.retrieved") if e["item"]["role"] == "user"]
+        assert users, kind
+        for item in users:  # each user item the SDK retrieved, with its whole transcript
+            assert item["content"][0]["transcript"] == transcripts[item["id"]]
+    events = calls[True, "websocket"]["events"]
+    truncated = _of(events, "conversation.item.truncated")  # the user cut in: the SDK truncated the model's item
+    said = [e["item"] for e in _of(events, "conversation.item.retrieved") if e["item"]["role"] == "assistant"]
+    assert said and truncated and {i["id"] for i in said} == {t["item_id"] for t in truncated}
     deadline = time.monotonic() + 10
-    while _active(server):  # close() hung up: the slot is back
-        assert time.monotonic() < deadline, "the SDK's close() did not end the call"
+    while _active(plain) or _active(transcribing):  # close() hung up: the slots are back
+        assert time.monotonic() < deadline, "the SDK's close() did not end every session"
         time.sleep(0.1)

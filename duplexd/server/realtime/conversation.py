@@ -7,7 +7,10 @@ text a `response.output_audio_transcript.delta`, all within one long response. S
 (`text_temperature`, ..., `repetition_penalty`, `pad_mult`); the engine applies an update from its next step and
 the conversation goes on. Malformed JSON or base64, binary frames and unknown event types end the connection with
 an `error` event and a close code; turn-taking events get a non-fatal `unsupported_event`, and a bad session
-update a non-fatal `invalid_value` naming the parameter.
+update a non-fatal `invalid_value` naming the parameter. Every item the session announces (the model's one item,
+the user's utterances) can be retrieved (`conversation.item.retrieve`); the model's can be truncated (acknowledged:
+its context is not rewound); `response.cancel` is accepted with no effect (the one response goes on, the model
+yields the turn by itself). OpenAI's SDKs send all three in their default session.
 
 A PersonaPlex model with voices gives each session a persona: `session.instructions` (the role text) and
 `session.voice` (a voice from `/v1/models`), PersonaPlex's defaults until set, or `text_prompt` / `voice_prompt` in
@@ -18,8 +21,9 @@ Transcription of the user's speech (when the server has a transcriber, `--transc
 `input_audio_transcription` (or GA `audio.input.transcription`) starts it, `null` stops it. Each utterance the
 service's VAD finds becomes one user item: `input_audio_buffer.speech_started`, `.speech_stopped`, `.committed`,
 `conversation.item.added`/`.done`, then `conversation.item.input_audio_transcription.delta` and `.completed` (or
-`.failed`). Audio times count from the session's first audio. When the transcriber is absent or full, the update
-gets a non-fatal `transcription_unavailable` and the conversation goes on untranscribed.
+`.failed`). Audio times count from the session's first audio. When the transcriber is absent or full, the rest of
+the update applies and `session.updated` shows the transcription as it is (`null`): OpenAI's SDKs ask for it by
+default, and some end their session on any `error`.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ class RealtimeAdapter(Adapter):
         self.ctx = ctx
         self.pump: Pump | None = None
         self.session_id = ev.new_id("sess")
-        self.response_id, self.item_id = ev.new_id("resp"), ev.new_id("item")
+        self.response_id, self.item_id = ev.new_id("resp"), ev.new_id("item")  # the model's one response and item
+        self.said: list[str] = []  # the model's text so far (its item's transcript)
         self.audio_delta = ev.AudioDeltas(self.response_id, self.item_id)
         self.input_audio, self.output_audio = InputAudio(), OutputAudio()  # pcm16 at 24 kHz until an update
         self.response_started = False
@@ -114,7 +119,13 @@ class RealtimeAdapter(Adapter):
                 return await self.take_audio(ev.decode_audio(event, self.input_audio))
             if isinstance(event, ev.SessionUpdate):
                 await self.update_session(event)
-            else:
+            elif isinstance(event, ev.ItemRetrieve):
+                await self.send_text(ev.item_retrieved(self.item(event)))
+            elif isinstance(event, ev.ItemTruncate):
+                await self.send_text(self.truncated(event))
+            elif isinstance(event, ev.OutputClear):
+                await self.clear_output(event)
+            elif not isinstance(event, ev.ResponseCancel):  # a cancel has nothing to do: see the module's docstring
                 raise ev.RealtimeError(
                     "unsupported_event",
                     f"{event.type} has no effect on a full-duplex model: it takes turns by itself",
@@ -123,6 +134,34 @@ class RealtimeAdapter(Adapter):
         except ev.RealtimeError as e:
             await self.send_text(e.event())
         return None
+
+    def item(self, event: ev.ItemRetrieve | ev.ItemTruncate) -> dict:
+        """The item `event` names, as `conversation.item.retrieved` gives it; `item_not_found` for one this session
+        has not announced."""
+        if event.item_id == self.item_id and self.response_started:
+            return ev.assistant_audio_item(self.item_id, "".join(self.said))
+        item = self.items.retrieved(event.item_id)
+        if item is None:
+            raise ev.item_not_found(event)
+        return item
+
+    def truncated(self, event: ev.ItemTruncate) -> str:
+        """The client stopped playing the model's item at `audio_end_ms`: acknowledged as OpenAI does. The model's
+        context is not rewound: a duplex model heard the user cut in as it happened."""
+        if self.item(event)["role"] != "assistant":
+            raise ev.RealtimeError(
+                "invalid_value", "only the assistant's item has audio to truncate", event.event_id, "item_id"
+            )
+        return ev.item_truncated(event.item_id, event.content_index, event.audio_end_ms)
+
+    async def clear_output(self, event: ev.OutputClear) -> None:
+        """`output_audio_buffer.clear` is a WebRTC call's (`CallAdapter`): on a WebSocket the client holds the audio
+        it was sent."""
+        raise ev.RealtimeError(
+            "unsupported_event",
+            "output_audio_buffer.clear is for WebRTC calls: on a WebSocket the client holds the audio it was sent",
+            event.event_id,
+        )
 
     async def take_audio(self, pcm: np.ndarray) -> np.ndarray:
         """The user's audio, about to be pushed: the first fixes the persona (its prompt runs before it)."""
@@ -136,15 +175,15 @@ class RealtimeAdapter(Adapter):
         await self.send_text(ev.session_updated(self.session_object(params)))
 
     def apply_update(self, event: ev.SessionUpdate) -> SamplingParams:
-        """Apply an update whole or not at all: a refused value or an unavailable transcriber changes nothing.
-        Returns the sampling now in force."""
+        """Apply an update whole or not at all: a refused value changes nothing (a transcription this session
+        cannot have stays off, and the rest applies). Returns the sampling now in force."""
         pump = self.pump
         assert pump is not None
         params = event.sampling(pump.session.params)
         persona = self.persona_update(event)
         transcription = event.transcription()
         if transcription is not None:
-            self.set_transcription(pump, event, *transcription)
+            self.set_transcription(pump, *transcription)
         self.persona = persona
         input_format, output_format = event.formats()
         self.input_audio, self.output_audio = self.input_audio.to(input_format), self.output_audio.to(output_format)
@@ -239,6 +278,7 @@ class RealtimeAdapter(Adapter):
             messages.append(ev.response_created(self.response_id))
         messages.append(self.audio_delta(self.output_audio.base64(out.pcm)))
         if out.text:
+            self.said.append(out.text)
             messages.append(ev.transcript_delta(self.response_id, self.item_id, out.text))
         async with self.send_lock:
             for message in messages:
@@ -247,11 +287,9 @@ class RealtimeAdapter(Adapter):
     async def send_error(self, close: Close) -> None:
         await self.send_text(ev.close_error(close))
 
-    def set_transcription(
-        self, pump: Pump, event: ev.SessionUpdate, param: str, settings: ev.TranscriptionSettings | None
-    ) -> None:
+    def set_transcription(self, pump: Pump, param: str, settings: ev.TranscriptionSettings | None) -> None:
         """Start or stop transcribing, or change the prompt of the running stream (for the utterances that begin
-        from now on); `RealtimeError` when there is no transcriber for this session."""
+        from now on). Without a transcriber for this session it stays off, which the session object shows."""
         if settings is None:
             pump.stop_transcribing()
             self.transcription = None
@@ -264,9 +302,8 @@ class RealtimeAdapter(Adapter):
             try:
                 pump.transcribe(prompt)
             except CapacityError as e:
-                raise ev.RealtimeError(
-                    "transcription_unavailable", f"cannot transcribe this session: {e}", event.event_id, param
-                ) from None
+                logger.info("realtime session %s: %s asked for, not transcribed: %s", pump.session.id, param, e)
+                return
             self.transcript_offset = self.samples_in
         self.transcription = ev.transcription_object(self.ctx.runtime.info.transcriber or "unknown", settings)
 

@@ -2,7 +2,9 @@
 
 Audio is pcm16 little-endian mono at 24 kHz, base64 in JSON, both ways. The model is full duplex: audio flows
 both ways all the time, so turn-taking events (`commit`, `response.create`, ...) have nothing to do and are
-answered with a non-fatal `unsupported_event` error. Sampling is a duplexd extension of the session object:
+answered with a non-fatal `unsupported_event` error; those OpenAI's SDKs send in their default session (an item's
+retrieval, the truncation of the model's item, `response.cancel` when the user cuts in) are served instead, so
+that they see no error. Sampling is a duplexd extension of the session object:
 `session.sampling = {text_temperature, text_topk, audio_temperature, audio_topk, seed, repetition_penalty,
 repetition_penalty_context, pad_mult}`.
 
@@ -50,13 +52,9 @@ MAX_TRANSCRIPTION_PROMPT = 500  # characters: the prompt is decoder input for ev
 UnsupportedType = Literal[
     "input_audio_buffer.commit",
     "input_audio_buffer.clear",
-    "output_audio_buffer.clear",
     "response.create",
-    "response.cancel",
     "conversation.item.create",
     "conversation.item.delete",
-    "conversation.item.retrieve",
-    "conversation.item.truncate",
     "transcription_session.update",
 ]
 UNSUPPORTED = frozenset(get_args(UnsupportedType))
@@ -207,12 +205,41 @@ class SessionUpdate(ClientEvent):
         return text, (voice, param) if voice is not None else None
 
 
+class ItemRetrieve(ClientEvent):
+    """`conversation.item.retrieve`: any item the session has announced (OpenAI's SDKs rebuild their history by it)."""
+
+    type: Literal["conversation.item.retrieve"]
+    item_id: str
+
+
+class ItemTruncate(ClientEvent):
+    """`conversation.item.truncate`: the client stopped playing the assistant's audio at `audio_end_ms` (SDKs send
+    it when the user starts speaking)."""
+
+    type: Literal["conversation.item.truncate"]
+    item_id: str
+    content_index: int = Field(0, ge=0)
+    audio_end_ms: int = Field(ge=0)
+
+
+class OutputClear(ClientEvent):
+    """`output_audio_buffer.clear`: a WebRTC call's (the server holds the audio not yet played)."""
+
+    type: Literal["output_audio_buffer.clear"]
+
+
+class ResponseCancel(ClientEvent):
+    """`response.cancel`: accepted with no effect (`server.realtime`): the duplex response cannot end."""
+
+    type: Literal["response.cancel"]
+
+
 class TurnEvent(ClientEvent):
     type: UnsupportedType
 
 
-ClientEvents = Annotated[AudioAppend | SessionUpdate | TurnEvent, Field(discriminator="type")]
-CLIENT_EVENTS: TypeAdapter[AudioAppend | SessionUpdate | TurnEvent] = TypeAdapter(ClientEvents)
+Event = AudioAppend | SessionUpdate | ItemRetrieve | ItemTruncate | OutputClear | ResponseCancel | TurnEvent
+CLIENT_EVENTS: TypeAdapter[Event] = TypeAdapter(Annotated[Event, Field(discriminator="type")])
 
 
 class RealtimeError(Exception):
@@ -246,7 +273,7 @@ def event_id() -> str:
     return f"{_EVENT_PREFIX}{next(_event_numbers):08x}"
 
 
-def parse_event(text: str) -> AudioAppend | SessionUpdate | TurnEvent:
+def parse_event(text: str) -> Event:
     """A client event of a type duplexd knows. `Close` when the text is not JSON or not an event (1007), for an
     unknown type (1002) or an append without its audio (1007); `RealtimeError` for a bad `session.update`."""
     try:
@@ -439,7 +466,7 @@ def speech_stopped(item_id: str, audio_end_ms: int) -> str:
     return server_event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
 
 
-def user_audio_item(item_id: str) -> dict[str, Any]:
+def user_audio_item(item_id: str, transcript: str | None = None) -> dict[str, Any]:
     """The user message item of one utterance: its audio is not sent back, its transcript comes by its own
     events (`transcript: null` until then, as OpenAI does)."""
     return {
@@ -448,8 +475,34 @@ def user_audio_item(item_id: str) -> dict[str, Any]:
         "type": "message",
         "role": "user",
         "status": "completed",
-        "content": [{"type": "input_audio", "transcript": None}],
+        "content": [{"type": "input_audio", "transcript": transcript}],
     }
+
+
+def assistant_audio_item(item_id: str, transcript: str) -> dict[str, Any]:
+    """The model's one item, in progress for the whole session, with its text so far."""
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "role": "assistant",
+        "status": "in_progress",
+        "content": [{"type": "output_audio", "transcript": transcript}],
+    }
+
+
+def item_retrieved(item: dict[str, Any]) -> str:
+    return server_event("conversation.item.retrieved", item=item)
+
+
+def item_not_found(event: ItemRetrieve | ItemTruncate) -> RealtimeError:
+    return RealtimeError("item_not_found", f"no item {event.item_id!r} in this session", event.event_id, "item_id")
+
+
+def item_truncated(item_id: str, content_index: int, audio_end_ms: int) -> str:
+    return server_event(
+        "conversation.item.truncated", item_id=item_id, content_index=content_index, audio_end_ms=audio_end_ms
+    )
 
 
 def item_committed(item_id: str, previous_item_id: str | None) -> list[str]:

@@ -4,7 +4,8 @@ Both kinds of session that transcribe share this: a conversation with `input_aud
 utterances found by the transcription service's VAD) and a transcription session on a speech-to-text model
 (`transcription_session`). Each gets `TranscriptEvent`s numbered by utterance and sends what `events` makes of
 them: `input_audio_buffer.speech_started`, `.speech_stopped`, the commit (`.committed`, `conversation.item.added`,
-`.done`, chained by `previous_item_id`), the transcript's deltas and `.completed` (or `.failed`).
+`.done`, chained by `previous_item_id`), the transcript's deltas and `.completed` (or `.failed`). Every item
+announced stays retrievable (`conversation.item.retrieve`), with its transcript once it is known.
 """
 
 from __future__ import annotations
@@ -43,9 +44,17 @@ class UserItems:
         self.to_ms, self.commit_on_delta = to_ms, commit_on_delta
         self.items: dict[int, UserItem] = {}
         self.last: str | None = None  # the last committed item's id
+        self.transcripts: dict[str, str | None] = {}  # of every committed item, by id (None: not known)
 
     def clear(self) -> None:
+        """Forget the utterances under way (the items already announced stay)."""
         self.items.clear()
+
+    def retrieved(self, item_id: str) -> dict | None:
+        """The item `item_id` as `conversation.item.retrieved` gives it; None if this session has no such item."""
+        if item_id not in self.transcripts:
+            return None
+        return ev.user_audio_item(item_id, self.transcripts[item_id])
 
     def item(self, number: int) -> UserItem:
         """The item of utterance `number` (one never announced gets an id now, so that every event names one)."""
@@ -58,6 +67,7 @@ class UserItems:
         if item.committed:
             return []
         item.committed = True
+        self.transcripts[item.id] = None
         previous, self.last = self.last, item.id
         return ev.item_committed(item.id, previous)
 
@@ -81,6 +91,7 @@ class UserItems:
         elif isinstance(event, TranscriptDone):
             messages += self.commit(event.item)
             item = self.item(event.item)
+            self.transcripts[item.id] = event.text
             messages.append(ev.input_transcript_completed(item.id, event.text, event.end_s - event.start_s))
             del self.items[event.item]
         elif isinstance(event, TranscriptFailed):

@@ -116,6 +116,11 @@ class TranscriptionAdapter(Adapter):
                 self.turns.clear(self.stream_s())
                 self.committed_samples = self.client_samples
                 await self.send_text(ev.server_event("input_audio_buffer.cleared"))
+            elif isinstance(event, ev.ItemRetrieve):
+                item = self.items.retrieved(event.item_id)
+                if item is None:
+                    raise ev.item_not_found(event)
+                await self.send_text(ev.item_retrieved(item))
             else:
                 raise ev.RealtimeError(
                     "unsupported_event",

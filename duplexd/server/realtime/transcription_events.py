@@ -9,8 +9,8 @@ both sets of names, as the conversation's does. The fields given replace the ses
 that mean nothing here (noise reduction, logprobs) are accepted and shown off (`null`).
 
 Audio is `input_audio_buffer.append` (base64 pcm16 at 24 kHz, as in a conversation); `input_audio_buffer.commit`
-makes the audio so far one utterance, `.clear` drops what is not committed. Events that ask for a response have no
-model to answer them: a non-fatal `unsupported_event`.
+makes the audio so far one utterance, `.clear` drops what is not committed; `conversation.item.retrieve` gives an
+utterance's item. Events that ask for a response have no model to answer them: a non-fatal `unsupported_event`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,16 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from duplexd.server.stt.turns import TurnDetection
 
 from .audio_formats import BETA_NAME, BETA_NAMES, PCM, Format, format_object
-from .events import AudioAppend, AudioFormat, BetaFormat, ClientEvent, RealtimeError, TranscriptionSettings, refusal
+from .events import (
+    AudioAppend,
+    AudioFormat,
+    BetaFormat,
+    ClientEvent,
+    ItemRetrieve,
+    RealtimeError,
+    TranscriptionSettings,
+    refusal,
+)
 
 INTENT = "transcription"  # the `intent` query parameter that asks for such a session
 SEMANTIC_SILENCE_S = {"high": 1.0, "medium": 2.0, "auto": 2.0, "low": 3.0}  # Kyutai's own end of turn: 2 s
@@ -32,7 +41,6 @@ UnsupportedType = Literal[
     "output_audio_buffer.clear",
     "conversation.item.create",
     "conversation.item.delete",
-    "conversation.item.retrieve",
     "conversation.item.truncate",
 ]
 
@@ -164,7 +172,7 @@ class Unsupported(ClientEvent):
     type: UnsupportedType
 
 
-Event = AudioAppend | SessionUpdate | TranscriptionSessionUpdate | Commit | Clear | Unsupported
+Event = AudioAppend | SessionUpdate | TranscriptionSessionUpdate | Commit | Clear | ItemRetrieve | Unsupported
 EVENTS: TypeAdapter[Event] = TypeAdapter(Annotated[Event, Field(discriminator="type")])
 
 

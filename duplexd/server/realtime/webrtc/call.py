@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -59,7 +58,6 @@ class CallAdapter(RealtimeAdapter):
     def __init__(self, socket: ChannelSocket, ctx: ServerContext, track: SpeechTrack) -> None:
         super().__init__(socket, ctx)
         self.track = track
-        self.transcript = ""  # the assistant item's text so far (conversation.item.retrieve)
         self.sidebands: set[WebSocket] = set()  # control sockets attached by `?call_id=` (sideband.py)
         self.audio_open = asyncio.Event()  # the caller's audio is taken once its first event is handled
 
@@ -73,47 +71,17 @@ class CallAdapter(RealtimeAdapter):
                 self.sidebands.discard(ws)
 
     async def on_message(self, message: dict) -> np.ndarray | None:
-        event = _call_event(message.get("text"))
-        pcm = None
-        if event is None:
-            pcm = await super().on_message(message)
-        elif event["type"] == "output_audio_buffer.clear":
-            await self.clear_output()
-        else:
-            await self.send_text(self.retrieved(event))
+        pcm = await super().on_message(message)
         self.audio_open.set()
         return pcm
 
-    async def clear_output(self) -> None:
+    async def clear_output(self, event: ev.OutputClear) -> None:
         """`output_audio_buffer.clear`: the speech not sent yet is dropped; the assistant's item is truncated to
         what went out (the server knows it: the client cannot, over WebRTC)."""
         self.track.clear()
         played_ms = round(self.track.played * 1000 / RATE)
         await self.send_text(ev.server_event("output_audio_buffer.cleared", response_id=self.response_id))
-        await self.send_text(
-            ev.server_event(
-                "conversation.item.truncated", item_id=self.item_id, content_index=0, audio_end_ms=played_ms
-            )
-        )
-
-    def retrieved(self, event: dict) -> str:
-        item_id = event.get("item_id")
-        if item_id != self.item_id:
-            return ev.error_event(
-                "item_not_found",
-                f"no item {item_id!r} in this session",
-                event_id=event.get("event_id"),
-                param="item_id",
-            )
-        item = {
-            "id": self.item_id,
-            "object": "realtime.item",
-            "type": "message",
-            "role": "assistant",
-            "status": "in_progress",
-            "content": [{"type": "output_audio", "transcript": self.transcript}],
-        }
-        return ev.server_event("conversation.item.retrieved", item=item)
+        await self.send_text(ev.item_truncated(self.item_id, 0, played_ms))
 
     async def send_output(self, out: SessionOutput) -> None:
         messages = []
@@ -125,7 +93,7 @@ class CallAdapter(RealtimeAdapter):
             ]
         self.track.play(out.pcm)
         if out.text:
-            self.transcript += out.text
+            self.said.append(out.text)
             messages.append(ev.transcript_delta(self.response_id, self.item_id, out.text))
         for message in messages:
             await self.send_text(message)
@@ -134,21 +102,6 @@ class CallAdapter(RealtimeAdapter):
         for ws in list(self.sidebands):
             await close_socket(ws, Close(CloseCode.NORMAL, "call_ended", "the call ended"), SIDEBAND_SEND_SECONDS)
         self.sidebands.clear()
-
-
-CALL_EVENTS = ("output_audio_buffer.clear", "conversation.item.retrieve")
-
-
-def _call_event(text: str | None) -> dict | None:
-    """A client event that only a call handles, parsed; None for the rest (the shared parser takes them). The
-    text is searched before it is parsed: every other event skips the extra JSON pass."""
-    if text is None or not any(f'"{kind}"' in text for kind in CALL_EVENTS):
-        return None
-    try:
-        event = json.loads(text)
-    except ValueError:
-        return None
-    return event if isinstance(event, dict) and event.get("type") in CALL_EVENTS else None
 
 
 class Call:
