@@ -9,10 +9,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from . import parallel, system_tools  # noqa: E402
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # Session fixtures shared by several modules (one server with a TTS model for both of its protocols' tests).
 pytest_plugins = ["tests.tts_server"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_system(*tools): system tools the test needs (tests/system_tools.py)")
+    parallel.configure(config)
+
+
+def pytest_collection_modifyitems(items):
+    parallel.order(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item):
+    """A test's setup, call and teardown share the CPU with the other workers', or have it alone (`realtime`)."""
+    with parallel.cpu_share(item):
+        return (yield)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture: a test whose system tools are missing skips (or fails) naming them and their install."""
+    system_tools.check(item)
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from duplexd.server.codec import libopus, streams
 from duplexd.server.codec.ogg import PageWriter
 
 from .speech import speak
+from .system_tools import needs
 
 FRAME = 1920  # one 80 ms tick at 24 kHz
 NOISE = 1e-3
@@ -28,7 +28,7 @@ TEXT = (
     "Seven bright kites were flying above the river."
 )
 
-needs_libopus = pytest.mark.skipif(libopus.load() is None, reason="needs libopus (apt-get install libopus0)")
+needs_libopus = needs("libopus")
 
 
 @functools.cache

@@ -1,22 +1,22 @@
-"""Real speech for tests: espeak-ng sentences (a Debian package, .ci/run installs it) laid out with silences.
+"""Real speech for tests: espeak-ng sentences (a Debian package, scripts/test.sh installs it) laid out with silences.
 
 The utterance boundaries are known without labelled data: they are the synthesised clips' own trimmed lengths.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
-import pytest
 import soundfile as sf
 import soxr
 
 from duplexd.wire import SAMPLE_RATE
 
-needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs Debian's espeak-ng (see .ci/run)")
+from .system_tools import needs
+
+needs_espeak = needs("espeak-ng")
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

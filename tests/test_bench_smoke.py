@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from bench.processes import descendants, in_session, stop
-from duplexd.server.codec import libopus
+
+from . import system_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -319,8 +320,8 @@ def test_every_shell_script_parses():
 
 @pytest.mark.parametrize("name", SMOKE)
 def test_bench_runs(name, runs):
-    if name == "codec.py" and libopus.load() is None:
-        pytest.skip("needs libopus (apt-get install libopus0)")
+    if name == "codec.py":
+        system_tools.require("libopus")
     ran = runs[name].result()
     tail = f"\n--- stdout ---\n{ran.out[-3000:]}\n--- stderr ---\n{ran.err[-3000:]}"
     assert not ran.timed_out, f"{name} still ran after {SMOKE[name].timeout:g} s{tail}"

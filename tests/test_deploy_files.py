@@ -18,6 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from .system_tools import needs
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 K8S_VERSION = "1.30"  # an old enough cluster: the manifests use only stable APIs
@@ -79,7 +81,7 @@ def test_compose_file_matches_the_compose_schema():
     assert {f"{name}:8998" for name in gpus} == replicas <= targets
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs Debian's haproxy (see .ci/run)")
+@needs("haproxy")
 def test_haproxy_config_check():
     env = {**os.environ, "HAPROXY_ERRORS_DIR": str(DOCKER / "errors")}
     result = subprocess.run(

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -28,13 +27,14 @@ from websockets.exceptions import InvalidStatus
 from duplexd.clients.realtime import AUDIO_DELTAS, append_event
 
 from .live_server import LiveServer, free_port, running_server
+from .system_tools import needs
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAME, PACE = 1920, 0.08
 WINDOW = 4  # frames sent ahead of the answers: a loaded CI machine may step slower than real time
 REPLICA_ARGS = ["--max-sessions", "2", "--idle-timeout", "30", "--max-session-seconds", "120"]
 
-pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs Debian's haproxy (see .ci/run)")
+pytestmark = needs("haproxy")
 
 
 def metric(server: LiveServer, name: str) -> float:

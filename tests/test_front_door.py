@@ -278,6 +278,7 @@ def health_latencies(server: Server, count: int = 10) -> list[float]:
     return latencies
 
 
+@pytest.mark.realtime
 def test_a_flood_of_silent_connections_is_shed_while_a_paced_session_keeps_its_audio(server):
     server.wait_idle()
     run(healthy_kyutai(server))  # whatever the first session opens lazily is in the baseline

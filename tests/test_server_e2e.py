@@ -564,6 +564,7 @@ def test_silent_client_is_closed_after_the_idle_timeout(server):
     assert IDLE * 0.8 < elapsed < IDLE + 3
 
 
+@pytest.mark.realtime
 def test_flooding_and_stalled_clients_do_not_hurt_a_paced_session(server):
     """One client sends 3 s of audio at once (input beyond the inbox is dropped and counted), another stops
     reading (closed by the keep-alive), while a paced client gets every frame it is owed."""

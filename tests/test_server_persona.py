@@ -55,6 +55,7 @@ from .browser import CHROMIUM, launch_args
 from .live_server import running_server
 from .personaplex_files import PP_DEMO_TEXT, write_personaplex
 from .personaplex_ref import preset_from_codes
+from .system_tools import needs
 from .test_infer import speech_like
 
 # The demo tokenizer's vocabulary for the text stream, and a window small enough to overflow.
@@ -473,8 +474,6 @@ def test_a_persona_needs_voices_and_a_personaplex_model(files, tmp_path_factory)
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
     sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian chromium is not installed (.ci/run)")
     wav = tmp_path_factory.mktemp("mic") / "mic.wav"
     write_wav(str(wav), speech_like(4.0, 24000, seed=5)[:, 0])
     with sync_api.sync_playwright() as p:
@@ -489,6 +488,7 @@ def page(tmp_path_factory):
 
 
 @pytest.mark.parametrize("transport", ["websocket", "webrtc"])
+@needs("chromium")
 def test_browser_persona_box(server, page, transport):
     """The page's persona box, on either transport: the query of the WebSocket, the first event of a call."""
     page.goto(server.url + "/")

@@ -1,7 +1,7 @@
 """Voice-activity segmentation on real speech: espeak-ng sentences separated by silence and a little noise.
 
 The known boundaries are the synthesised clips' own (trimmed) lengths, so the test needs no labelled data and
-nothing is downloaded: espeak-ng is a Debian package (.ci/run installs it), Silero's model is in its wheel.
+nothing is downloaded: espeak-ng is a Debian package (scripts/test.sh installs it), Silero's model is in its wheel.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ from duplexd.clients.protocols import open_connection
 from .browser import CHROMIUM, launch_args
 from .live_server import running_server
 from .speech import compose, needs_espeak, speak
+from .system_tools import needs
 
 sync_api = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (.ci/run)")
+pytestmark = needs("chromium")
 OUT = Path(__file__).resolve().parents[1] / "out"
 
 

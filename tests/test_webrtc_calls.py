@@ -67,6 +67,7 @@ def wait_idle(server, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.realtime
 def test_a_call_talks_both_ways_and_the_client_hangs_up(server):
     frames_in = metric(server, "duplexd_frames_in_total")
 

@@ -36,12 +36,14 @@ from duplexd import wire
 from duplexd.clients.audio import speech_like, write_wav
 from duplexd.wire import SAMPLE_RATE
 
+from . import system_tools
 from .browser import CHROMIUM, launch_args
 from .live_server import free_port, running_server
+from .system_tools import needs
 
 sync_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("aiortc")
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (.ci/run)")
+pytestmark = needs("chromium")
 
 SDK = "@openai/agents-realtime@0.20.0"
 ESBUILD = "esbuild@0.28.2"
@@ -103,8 +105,7 @@ window.ready = true;
 @pytest.fixture(scope="module")
 def sdk_bundle() -> Path:
     """The SDK as one ES module (esbuild), cached under ~/.cache/duplexd-test/npm by version and entry."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("needs node and npm to fetch OpenAI's browser SDK")
+    system_tools.require("node")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duplexd-test" / "npm"
     name = SDK.lstrip("@").replace("/", "-").replace("@", "-")
     bundle = cache / f"{name}-{hashlib.sha256(ENTRY.encode()).hexdigest()[:8]}" / "sdk.js"

@@ -1,0 +1,100 @@
+"""The suite on every core, as `scripts/test.sh` runs it: `python -m tests.parallel [pytest arguments]`.
+
+pytest-xdist starts one worker per core and hands each a whole test file (`--dist loadfile`), so a module's
+fixtures (a `duplexd serve` process, a reference model) are built once. The files known to be slow go first, so
+no worker is left with a long file while the other idles at the end. Every process of the run (workers, the
+servers and benches they start) keeps to one intra-op thread: two workers with two threads each on two cores
+spent a third more CPU. A third worker on two cores did too (7.5 min against 6.1).
+
+Tests marked `realtime` pace sessions against the wall clock and check what arrives late; two workers on two cores
+would make them late. Such a test takes the CPU to itself: every test holds a shared `flock` on one file of the
+run, a realtime test an exclusive one, and a second lock taken first by both (a turnstile) keeps the workers' next
+shared locks from starving a waiting realtime test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The longest files first, longest first (wall time on a worker of a 2-core run, waits on servers included: 58 s for
+# the first, 15 s for the last). A file not listed runs after these, in collection order.
+SLOW_FILES = (
+    "test_bench_smoke.py",
+    "test_kernels_rope_kv_store.py",
+    "test_server_e2e.py",
+    "test_kyutai_transcription.py",
+    "test_web_chromium.py",
+    "test_tts_streaming.py",
+    "test_sm90_compile.py",
+    "test_startup_errors.py",
+    "test_realtime_transcription.py",
+    "test_engine.py",
+    "test_clients_live.py",
+    "test_infer_persona.py",
+    "test_front_door.py",
+    "test_kv_quantized_attention.py",
+    "test_tts_parity.py",
+    "test_clients_soak.py",
+    "test_asr_e2e.py",
+)
+
+
+def configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "realtime: paces sessions against the wall clock; runs with no other test beside it"
+    )
+
+
+def order(items: list[pytest.Item]) -> None:
+    """The slow files' tests first, in SLOW_FILES' order; the others keep theirs (the sort is stable)."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@contextlib.contextmanager
+def cpu_share(item: pytest.Item) -> Iterator[None]:
+    """Shared use of the CPU for an ordinary test, sole use for a realtime one; nothing outside xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    folder = Path(tempfile.gettempdir())
+    with (
+        (folder / f"duplexd-tests-{run}.turnstile").open("a") as turnstile,
+        (folder / f"duplexd-tests-{run}.cpu").open("a") as cpu,
+    ):
+        alone = item.get_closest_marker("realtime") is not None
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(cpu, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(cpu, fcntl.LOCK_UN)
+
+
+def arguments(argv: list[str], cores: int) -> list[str]:
+    """pytest's arguments: one worker per core and whole files per worker, unless the caller chose otherwise."""
+    chosen = any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in argv)
+    # xdist would hand out the files with the most tests first (--loadscope-reorder): keep `order`'s order instead
+    return argv if chosen else ["-n", str(cores), "--dist", "loadfile", "--no-loadscope-reorder", *argv]
+
+
+def main() -> int:
+    # one intra-op thread a process (workers, their servers and benches): as many workers as cores already
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return int(pytest.main(arguments(sys.argv[1:], os.cpu_count() or 1)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
