@@ -22,10 +22,6 @@ def pytest_configure(config):
     parallel.configure(config)
 
 
-def pytest_collection_modifyitems(items):
-    parallel.order(items)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item):
     """A test's setup, call and teardown share the CPU with the other workers', or have it alone (`realtime`)."""

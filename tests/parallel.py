@@ -1,10 +1,11 @@
 """The suite on every core, as `scripts/test.sh` runs it: `python -m tests.parallel [pytest arguments]`.
 
 pytest-xdist starts one worker per core and hands each a whole test file (`--dist loadfile`), so a module's
-fixtures (a `duplexd serve` process, a reference model) are built once. The files known to be slow go first, so
-no worker is left with a long file while the other idles at the end. Every process of the run (workers, the
-servers and benches they start) keeps to one intra-op thread: two workers with two threads each on two cores
-spent a third more CPU. A third worker on two cores did too (7.5 min against 6.1).
+fixtures (a `duplexd serve` process, a reference model) are built once; xdist hands out the files with the most
+tests first (handing out the longest first put the CPU-heavy files side by side, each slowing the other: 7.6
+minutes against 6.1). Every process of the run (workers, the servers and benches they start) keeps to one
+intra-op thread: two workers with two threads each on two cores spent a third more CPU, as did a third worker
+(7.5 minutes).
 
 Tests marked `realtime` pace sessions against the wall clock and check what arrives late; two workers on two cores
 would make them late. Such a test takes the CPU to itself: every test holds a shared `flock` on one file of the
@@ -24,39 +25,11 @@ from pathlib import Path
 
 import pytest
 
-# The longest files first, longest first (wall time on a worker of a 2-core run, waits on servers included: 58 s for
-# the first, 15 s for the last). A file not listed runs after these, in collection order.
-SLOW_FILES = (
-    "test_bench_smoke.py",
-    "test_kernels_rope_kv_store.py",
-    "test_server_e2e.py",
-    "test_kyutai_transcription.py",
-    "test_web_chromium.py",
-    "test_tts_streaming.py",
-    "test_sm90_compile.py",
-    "test_startup_errors.py",
-    "test_realtime_transcription.py",
-    "test_engine.py",
-    "test_clients_live.py",
-    "test_infer_persona.py",
-    "test_front_door.py",
-    "test_kv_quantized_attention.py",
-    "test_tts_parity.py",
-    "test_clients_soak.py",
-    "test_asr_e2e.py",
-)
-
 
 def configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "realtime: paces sessions against the wall clock; runs with no other test beside it"
     )
-
-
-def order(items: list[pytest.Item]) -> None:
-    """The slow files' tests first, in SLOW_FILES' order; the others keep theirs (the sort is stable)."""
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @contextlib.contextmanager
@@ -86,8 +59,7 @@ def cpu_share(item: pytest.Item) -> Iterator[None]:
 def arguments(argv: list[str], cores: int) -> list[str]:
     """pytest's arguments: one worker per core and whole files per worker, unless the caller chose otherwise."""
     chosen = any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in argv)
-    # xdist would hand out the files with the most tests first (--loadscope-reorder): keep `order`'s order instead
-    return argv if chosen else ["-n", str(cores), "--dist", "loadfile", "--no-loadscope-reorder", *argv]
+    return argv if chosen else ["-n", str(cores), "--dist", "loadfile", *argv]
 
 
 def main() -> int:
