@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,3 +75,19 @@ def running_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def running_side_by_side(*servers: contextlib.AbstractContextManager[LiveServer]) -> Iterator[list[LiveServer]]:
+    """Several `running_server`s started at once (each start is mostly waiting on its imports), all stopped on the
+    way out, even when one failed to start; then no log may hold a traceback."""
+    with contextlib.ExitStack() as stack:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            futures = [pool.submit(server.__enter__) for server in servers]
+        for server, future in zip(servers, futures, strict=True):
+            if future.exception() is None:
+                stack.push(server.__exit__)
+        lives = [future.result() for future in futures]
+        yield lives
+    for live in lives:
+        assert "Traceback" not in live.log.read_text(), live.log.read_text()[-5000:]

@@ -17,7 +17,6 @@ import base64
 import contextlib
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -39,7 +38,7 @@ from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE, split_frames  # noqa: E402
 
 from .gemma4_ref import generate, load_reference  # noqa: E402
-from .live_server import running_server  # noqa: E402
+from .live_server import running_server, running_side_by_side  # noqa: E402
 from .speech import TOLERANCE, compose, needs_espeak, speak_all  # noqa: E402
 from .test_transcription import reference_stops  # noqa: E402
 
@@ -75,24 +74,15 @@ def servers(tmp_path_factory, cache, folder):
     transcriber."""
     logs = tmp_path_factory.mktemp("realtime-transcription")
     env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    managers = [
+    with running_side_by_side(
         running_server(
             logs / "transcribe.log",
             *("--max-sessions", "2", "--transcribe", "demo", "--transcribe-max-tokens", str(MAX_NEW)),
             env=env,
         ),
         running_server(logs / "plain.log", "--max-sessions", "1", env=env),
-    ]
-    with contextlib.ExitStack() as stack:
-        with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(m.__enter__) for m in managers]
-        for manager, future in zip(managers, futures, strict=True):
-            if future.exception() is None:  # stopped on the way out, even when the other failed to start
-                stack.push(manager.__exit__)
-        lives = [f.result() for f in futures]
+    ) as lives:
         yield lives
-    for live in lives:
-        assert "Traceback" not in live.log.read_text(), live.log.read_text()[-5000:]
 
 
 @pytest.fixture(scope="module")
