@@ -16,18 +16,20 @@ import pytest
 
 from duplexd.server.codec import libopus
 
-
-def _program(name: str, *paths: str) -> bool:
-    return shutil.which(name) is not None or any(Path(p).exists() for p in paths)
+from .browser import CHROMIUM
 
 
-# tool -> (Debian package, whether it is there)
+def _programs(*names: str) -> bool:
+    return all(shutil.which(name) is not None for name in names)
+
+
+# tool -> (Debian package, whether it is there: found as the tests call it)
 TOOLS = {
-    "espeak-ng": ("espeak-ng", lambda: _program("espeak-ng")),
+    "espeak-ng": ("espeak-ng", lambda: _programs("espeak-ng")),
     "libopus": ("libopus0", lambda: libopus.load() is not None),
-    "chromium": ("chromium", lambda: _program("chromium", "/usr/bin/chromium")),
-    "haproxy": ("haproxy", lambda: _program("haproxy", "/usr/sbin/haproxy")),
-    "node": ("nodejs npm", lambda: _program("node") and _program("npm")),
+    "chromium": ("chromium", lambda: Path(CHROMIUM).exists()),
+    "haproxy": ("haproxy", lambda: _programs("haproxy")),
+    "node": ("nodejs npm", lambda: _programs("node", "npm")),
 }
 
 

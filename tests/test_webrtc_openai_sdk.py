@@ -34,10 +34,9 @@ from duplexd import wire
 from duplexd.clients.audio import speech_like, write_wav
 from duplexd.wire import SAMPLE_RATE
 
-from . import system_tools
 from .browser import CHROMIUM, launch_args
 from .live_server import free_port, running_server, running_side_by_side
-from .system_tools import needs
+from .system_tools import needs, require
 
 sync_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("aiortc")
@@ -103,7 +102,7 @@ window.ready = true;
 @pytest.fixture(scope="module")
 def sdk_bundle() -> Path:
     """The SDK as one ES module (esbuild), cached under ~/.cache/duplexd-test/npm by version and entry."""
-    system_tools.require("node")
+    require("node")
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duplexd-test" / "npm"
     name = SDK.lstrip("@").replace("/", "-").replace("@", "-")
     bundle = cache / f"{name}-{hashlib.sha256(ENTRY.encode()).hexdigest()[:8]}" / "sdk.js"
