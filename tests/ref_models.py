@@ -156,7 +156,8 @@ class ReferenceStt:
 
 def reference_tts(lm: RefLMModel, delay_steps: int, **kwargs):
     """moshi's `TTSModel` around `lm` for `generate` at temperature 0: Kyutai's state machine (lookahead 2, padding 8
-    at most, 2 at the start), no Mimi or tokenizer (the callers give words, and generate decodes nothing)."""
+    at most, 2 at the start), no Mimi or tokenizer (the callers give words, and generate decodes nothing). `n_q`
+    (default: every codebook the DepFormer has): the codebooks generate says, as `TTSModel.from_checkpoint_info`'s."""
     from moshi.models.tts import StateMachine, TokenIds, TTSModel
 
     machine = StateMachine(TokenIds(lm.text_card + 1), second_stream_ahead=2, max_padding=8, initial_padding=2)
@@ -169,8 +170,7 @@ def reference_tts(lm: RefLMModel, delay_steps: int, **kwargs):
         machine=machine,
         delay_steps=delay_steps,
         temp=0.0,
-        n_q=lm.dep_q,
-        **kwargs,
+        **({"n_q": lm.dep_q} | kwargs),
     )
 
 

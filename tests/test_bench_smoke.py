@@ -211,7 +211,8 @@ SMOKE: dict[str, Smoke] = {
     ),
     "stt_streams.py": Smoke(("--frames", "2", "--warmup", "1", "--sessions", "2", *ONE), ("duplexd_fps_b2",)),
     "tts_streams.py": Smoke(
-        ("--sessions", "1", "--words", "2", "--threads", "1"), ("ratio_vs_one_by_one", "ttfa_ms_p50_b1")
+        ("--sessions", "1", "--words", "2", "--threads", "1", "--n-q", "32,24"),
+        ("ratio_vs_one_by_one", "ttfa_ms_p50_b1", "fps_ratio_q24_vs_q32_b1"),
     ),
     "transcribe_latency.py": Smoke(
         ("--audio-hidden", "64", "--audio-layers", "2", "--text-hidden", "64", "--text-layers", "2")

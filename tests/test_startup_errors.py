@@ -231,6 +231,11 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
         "--tts-default-voice demo/carol.wav: not one of the voices (demo/alice.wav, demo/bob.wav)",
         {},
     ),
+    "tts codebooks": (
+        ["serve", "--tts", "demo-tts", "--tts-n-q", "33"],
+        "--tts-n-q 33: demo-tts-v1 says 1 to 32 codebooks",
+        {},
+    ),
     "tts cfg coefficient": (
         ["serve", "--tts", "demo-tts", "--tts-cfg-coef", "2.2"],
         "--tts-cfg-coef 2.2: the model takes 1.0, 1.5",

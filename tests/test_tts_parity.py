@@ -100,16 +100,16 @@ def models(tmp_path_factory):
     return ref, model, conditioner, tts, voices
 
 
-def reference_generate(ref_lm, scripts: list[list[Word]], voice_paths, cfg_coef: float = 2.0):
-    tts = reference_tts(copy.deepcopy(ref_lm), DELAY_STEPS, max_gen_length=400)
+def reference_generate(ref_lm, scripts: list[list[Word]], voice_paths, cfg_coef: float = 2.0, n_q: int = 6):
+    tts = reference_tts(copy.deepcopy(ref_lm), DELAY_STEPS, max_gen_length=400, n_q=n_q)
     entries = [[Entry(list(w.tokens), w.text, w.padding) for w in words] for words in scripts]
     attributes = [tts.make_condition_attributes([path], cfg_coef=cfg_coef) for path in voice_paths]
     return tts.generate(entries, attributes)
 
 
-def duplexd_generate(models, scripts, voice_indices, cfg_value: str = "2.0"):
+def duplexd_generate(models, scripts, voice_indices, cfg_value: str = "2.0", n_q: int | None = None):
     _, model, conditioner, tts, voices = models
-    gen = TTSGen(model, conditioner, tts, num_slots=len(scripts))
+    gen = TTSGen(model, conditioner, tts, num_slots=len(scripts), n_q=n_q)
     chosen = [Voice((voices[k][0],), (("control", "ok"), ("cfg", cfg_value))) for k in voice_indices]
     return generate(gen, scripts, chosen, max_steps=400)
 
@@ -173,19 +173,51 @@ def test_a_batch_matches_generate(models):
     assert ours[0].end_step != ours[1].end_step
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.6])
-@pytest.mark.parametrize("pad", [False, True])
-def test_sessions_at_different_positions_match_each_alone(models, temperature, pad):
+@pytest.mark.parametrize("n_q", [6, 4])
+def test_fewer_codebooks_say_what_generate_says_with_them(models, n_q):
+    """moshi's `TTSModel(n_q=4)` on a 6-codebook model sets `lm.dep_q = 4`: the DepFormer samples 4 codebooks and
+    the temporal transformer reads the zero token for the other 2. Two scripts batched in two voices: the frames
+    (1 + n_q a row), end steps and consumption steps are generate's; 4 codebooks are not the first 4 of 6 (what
+    the model reads back changes what it says next)."""
+    ref_lm, *_ = models
+    voices = models[4]
+    scripts = [script_words([text], encode) for text in SCRIPTS]
+    theirs = reference_generate(ref_lm, scripts, [voices[0][1], voices[1][1]], n_q=n_q)
+    ours = duplexd_generate(models, scripts, [0, 1], n_q=n_q)
+    for b, result in enumerate(ours):
+        frames = [f[b, :, 0].tolist() for f in theirs.frames]
+        assert len(frames[0]) == 1 + n_q
+        assert result.frames == frames, f"script {b}"
+        assert (result.end_step, result.consumed_at) == (theirs.end_steps[b], theirs.all_consumption_times[b])
+    if n_q < 6:
+        full = duplexd_generate(models, scripts, [0, 1])
+        assert [[row[: 1 + n_q] for row in r.frames] for r in full] != [r.frames for r in ours]
+
+
+def test_codebooks_outside_the_model_are_refused(models):
+    _, model, conditioner, tts, _ = models
+    for n_q in (0, 7):
+        with pytest.raises(ValueError, match=f"n_q={n_q}: the model says 1 to 6 codebooks"):
+            TTSGen(model, conditioner, tts, 1, n_q=n_q)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "pad", "n_q"), [(0.0, False, 6), (0.0, True, 6), (0.6, False, 6), (0.6, True, 6), (0.0, True, 4)]
+)
+def test_sessions_at_different_positions_match_each_alone(models, temperature, pad, n_q):
     """Slot 1 starts 7 steps after slot 0 (so one is in its audio delay while the other speaks) and slot 0 ends
-    first; each gives the frames it gives alone, greedy or sampled. With `pad`, every step runs as a CUDA graph
-    runs it: at a bucket of 4 rows (the others the scratch slot's), every row sampled and through the DepFormer."""
+    first; each gives the frames it gives alone, greedy or sampled, saying every codebook or 4 of 6. With `pad`,
+    every step runs as a CUDA graph runs it: at a bucket of 4 rows (the others the scratch slot's), every row sampled
+    and through the DepFormer."""
     _, model, conditioner, tts, voices = models
     scripts = [script_words([text], encode) for text in SCRIPTS]
     alone = [
-        generate(TTSGen(model, conditioner, tts, 1), [words], [Voice((voices[k][0],))], temperature, seed=k)[0].frames
+        generate(TTSGen(model, conditioner, tts, 1, n_q=n_q), [words], [Voice((voices[k][0],))], temperature, seed=k)[
+            0
+        ].frames
         for k, words in enumerate(scripts)
     ]
-    gen = TTSGen(model, conditioner, tts, num_slots=3, buckets=(4,), pad=pad)
+    gen = TTSGen(model, conditioner, tts, num_slots=3, buckets=(4,), pad=pad, n_q=n_q)
     frames: list[list[list[int]]] = [[], []]
     gen.start(2, scripts[0], Voice((voices[0][0],)))  # slot 2 runs alongside, to be left out of a step
     for step in range(len(alone[1]) + 30):
@@ -255,14 +287,18 @@ def test_two_voices_as_moshi_servers_worker_builds_them(models):
     assert single.frames != ours.frames  # one voice place or two is another conditioning
 
 
-def test_words_streamed_one_a_step_give_generates_frames(models):
+@pytest.mark.parametrize("n_q", [6, 4])
+def test_words_streamed_one_a_step_give_generates_frames(models, n_q):
     """Words arriving one per step (as moshi-server's Rust side feeds its worker), the text's end after the last:
     the slot steps only when `ready` (the next word and two lookahead words there, or the text complete) and gives
-    generate's frames; a second slot whose words come in a burst later waits meanwhile without holding it up."""
+    generate's frames (with every codebook, or 4 of 6); a second slot whose words come in a burst later waits
+    meanwhile without holding it up."""
     _, model, conditioner, tts, voices = models
     words = script_words([SCRIPTS[0]], encode)
-    alone = duplexd_generate(models, [words], [0])[0]
-    gen = TTSGen(model, conditioner, tts, num_slots=2)
+    theirs = reference_generate(models[0], [words], [voices[0][1]], n_q=n_q)
+    alone = duplexd_generate(models, [words], [0], n_q=n_q)[0]
+    assert alone.frames == [f[0, :, 0].tolist() for f in theirs.frames]
+    gen = TTSGen(model, conditioner, tts, num_slots=2, n_q=n_q)
     gen.start(0, [], Voice((voices[0][0],)))
     gen.start(1, [], Voice((voices[1][0],)))
     frames: list[list[int]] = []

@@ -75,10 +75,15 @@ IDLE = 2.0
 
 @pytest.fixture(scope="session")
 def model_folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tts-model")
+    return write_model_folder(tmp_path_factory.mktemp("tts-model"), RAW)
+
+
+def write_model_folder(root, layout: dict):
+    """A TTS folder of `layout` (RAW's keys) as Kyutai lays one out, voices included, and moshi's LM in it."""
     tokenizer_path = ensure_demo(root / "cache").tokenizer
     tokenizer = TextTokenizer(tokenizer_path)
-    raw = {**RAW, "text_card": tokenizer.vocab_size, "moshi_name": "lm.safetensors", "mimi_name": "mimi.safetensors"}
+    raw = {**layout, "text_card": tokenizer.vocab_size, "moshi_name": "lm.safetensors"}
+    raw["mimi_name"] = "mimi.safetensors"
     raw["tokenizer_name"] = "tokenizer.model"
     tts = tts_config_from_dict(raw)
     assert tts is not None and tts.delay_steps == DELAY_STEPS

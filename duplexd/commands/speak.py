@@ -2,7 +2,7 @@
 
 The words go through the same `TTSGen` the engine batches (one slot here), the audio frames after the model's
 audio delay through Mimi's decoder, into a 24 kHz wav. `--tokens-out` writes one JSON line per frame as moshi's
-`TTSModel.generate` returns `TTSResult.frames`: `{"frame": i, "text": muxed text id, "audio": [32 codes]}`, the
+`TTSModel.generate` returns `TTSResult.frames`: `{"frame": i, "text": muxed text id, "audio": [n_q codes]}`, the
 first rows with -1 audio included.
 """
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     device = check_device(args.device)
     demo = args.model == "demo-tts"
     folder = demo_tts_folder() if demo else Path(args.model)
-    model = load_tts(folder, device=device, dtype=DTYPES[args.dtype], weights_dtype=args.weights_dtype)
+    model = load_tts(folder, device=device, dtype=DTYPES[args.dtype], weights_dtype=args.weights_dtype, n_q=args.n_q)
     tts = model.tts
     voices = Path(args.voices) if args.voices else (folder / "voices" if (folder / "voices").is_dir() else None)
     voice = args.voice or (DEMO_VOICES[0] if demo else None)
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     temperature = tts.temperature if args.temp is None else args.temp
     if temperature < 0:
         raise InputRefused(f"{temperature}: must be >= 0", "temp")
-    gen = TTSGen(model.lm, model.conditioner, tts, num_slots=1)
+    gen = TTSGen(model.lm, model.conditioner, tts, num_slots=1, n_q=model.n_q)
     started = time.perf_counter()
     voice_values = (("control", "ok"), ("cfg", cfg_value))
     (result,) = generate(
@@ -110,4 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     add_weights_dtype(p)
-    p.add_argument("--tokens-out", help="one JSON line per frame: frame, muxed text id, 32 audio codes")
+    p.add_argument(
+        "--n-q",
+        type=int,
+        help="audio codebooks to say (default: all the model's, as moshi-server's worker says them; fewer is "
+        "quicker, as moshi's TTSModel(n_q=...))",
+    )
+    p.add_argument("--tokens-out", help="one JSON line per frame: frame, muxed text id, n_q audio codes")

@@ -273,15 +273,24 @@ class LMModel(nn.Module):
         logits = torch.matmul(hidden.to(self.extra_heads.dtype)[None], self.extra_heads)  # [heads, B, classes]
         return torch.softmax(logits.float(), dim=-1)[..., 0].transpose(0, 1)
 
-    def forward_depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool = False):
-        """Run one sub-step per agent codebook; `sample(step, logits [B, card]) -> tokens [B]` picks each one.
+    def forward_depformer(
+        self,
+        hidden: torch.Tensor,
+        text_token: torch.Tensor,
+        sample,
+        want_logits: bool = False,
+        steps: int | None = None,
+    ):
+        """Run one sub-step per agent codebook (the first `steps` of them when given: a Kyutai TTS saying fewer
+        codebooks than it has); `sample(step, logits [B, card]) -> tokens [B]` picks each one.
 
         Sub-step k uses weight set `LMConfig.depformer_weight_set(k)` (k unless a schedule shares sets) and its own
         head, and attends to sub-steps 0..k; it is fed `dep_in[set](hidden)` plus the embedding of the token chosen
         just before it (the text token for k = 0).
         """
         cfg = self.cfg
-        q, heads, dh = cfg.agent_codebooks, cfg.depformer_num_heads, cfg.depformer_head_dim
+        q = cfg.agent_codebooks if steps is None else steps
+        heads, dh = cfg.depformer_num_heads, cfg.depformer_head_dim
         batch = hidden.shape[0]
         kv = hidden.new_empty(len(self.dep_layers), 2, batch, heads, q, dh)
         prev = self.depformer_text_embedding(text_token)

@@ -2,10 +2,12 @@
 
 A step is split in two around the host: the temporal step and the text sample run on the device, the sampled
 tokens come back (one small copy per step), each slot's `WordFeeder` turns its sample into the text the model reads,
-and that text goes up for the DepFormer, which samples the slot's 32 audio codebooks. The audio of a slot's first
-`delay + delay_steps` steps (its codebook's delay plus the audio delay) is forced to the zero token, as moshi's
-`TTSModel` does. Outputs are realigned as moshi's `LMGen` returns them: row n, given at step n + max_delay, holds
-the text read at step n and the audio of the same frame (`TTSResult.frames`).
+and that text goes up for the DepFormer, which samples the slot's audio codebooks: `n_q` of them, all the model's
+or fewer, as moshi's `TTSModel(n_q=...)` sets `lm.dep_q = n_q` (the temporal transformer then reads the zero token
+for the codebooks not said). The audio of a slot's first `delay + delay_steps` steps (its codebook's delay plus the
+audio delay) is forced to the zero token, as moshi's `TTSModel` does. Outputs are realigned as moshi's `LMGen`
+returns them: row n, given at step n + max_delay, holds the text read at step n and the audio of the same frame
+(`TTSResult.frames`).
 
 With `pad` (and on CUDA `graphs`) each half runs at its batch bucket (`BucketedCall`): the padding rows run as the
 scratch slot (one row past the last slot, the KV cache's scratch slot), every row is sampled (temperature 0 is the
@@ -47,7 +49,7 @@ class Voice:
 class TTSResult:
     """What `generate` returns for one slot, as moshi's `TTSResult` holds it for one batch item."""
 
-    frames: list[list[int]] = field(default_factory=list)  # [1 + dep_q] a row: muxed text, then audio (-1 early)
+    frames: list[list[int]] = field(default_factory=list)  # [1 + n_q] a row: muxed text, then audio (-1 early)
     end_step: int | None = None
     consumed_at: list[int] = field(default_factory=list)
     transcript: list[tuple[str, int]] = field(default_factory=list)
@@ -70,10 +72,14 @@ class TTSGen:
         buckets: Sequence[int] | None = None,
         graphs: bool = False,
         pad: bool = False,
+        n_q: int | None = None,
     ) -> None:
         cfg = model.cfg
         if not cfg.speaks_text:
             raise ValueError("TTSGen needs a text-to-speech model (cross-attention, muxed text)")
+        self.n_q = cfg.dep_q if n_q is None else n_q
+        if not 1 <= self.n_q <= cfg.dep_q:
+            raise ValueError(f"n_q={self.n_q}: the model says 1 to {cfg.dep_q} codebooks")
         device = model.text_emb.device
         self.model, self.cfg, self.tts, self.conditioner = model, cfg, tts, conditioner
         self.feeder = WordFeeder(cfg.text_in_card, tts.second_stream_ahead, max_padding, initial_padding)
@@ -168,7 +174,7 @@ class TTSGen:
     def step(
         self, slots: Sequence[int], turn: Callable[[], AbstractContextManager[object]] = nullcontext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advance `slots` one frame: rows [B, 1 + dep_q] (UNGENERATED until a slot's delays have passed), valid [B].
+        """Advance `slots` one frame: rows [B, 1 + n_q] (UNGENERATED until a slot's delays have passed), valid [B].
 
         `listen` and `speak` are device work only (`tests/test_tts_host_sync.py`), each run in a `turn` of the
         device (`engine.turns`); between them the host reads the samples and the slots' offsets (one copy back) and
@@ -228,25 +234,28 @@ class TTSGen:
         valid), device tensors."""
         cfg, ring, ct, model = self.cfg, self.ring, self.ring_size, self.model
         offsets = self.offsets[index]
-        audio = torch.full((len(index), cfg.dep_q), -1, dtype=torch.long, device=index.device)
+        audio = torch.full((len(index), self.n_q), -1, dtype=torch.long, device=index.device)
         if rows is None or len(rows):
             at = index if rows is None else index[rows]
             spoken = model.forward_depformer(
                 hidden if rows is None else hidden[rows],
                 text if rows is None else text[rows],
                 lambda step, lg: self._pick(at, greedy, lg, AUDIO_TOP_K, 1 + step),
+                steps=self.n_q,
             ).tokens
             audio = spoken if rows is None else audio.index_copy(0, rows, spoken)
-        silent = offsets[:, None] < self.delays[None, 1:] + self.tts.delay_steps
+        silent = offsets[:, None] < self.delays[None, 1 : 1 + self.n_q] + self.tts.delay_steps
         audio = audio.masked_fill(silent, -1)
+        if self.n_q < cfg.dep_q:  # the codebooks not said are read as the zero token, as moshi feeds them
+            audio = torch.cat([audio, audio.new_full((len(index), cfg.dep_q - self.n_q), -1)], dim=1)
         offsets = offsets + 1
         self.offsets[index] = offsets
         at_column = (offsets % ct)[:, None, None]
         ring[index, :, :] = ring[index, :, :].scatter(
             2, at_column.expand(-1, cfg.num_codebooks, 1), torch.cat([text[:, None], audio], dim=1)[..., None]
         )
-        read_at = (offsets[:, None] - cfg.max_delay + self.delays[None, :]) % ct
-        out = ring[index, :, :].gather(2, read_at[..., None])[..., 0]
+        read_at = (offsets[:, None] - cfg.max_delay + self.delays[None, : 1 + self.n_q]) % ct
+        out = ring[index, : 1 + self.n_q, :].gather(2, read_at[..., None])[..., 0]
         valid = offsets > cfg.max_delay
         return out.masked_fill(~valid[:, None], UNGENERATED), valid
 

@@ -1,5 +1,12 @@
-"""A Kyutai TTS model folder loaded whole: the LM and its conditioners (one file), Mimi at 32 codebooks, the text
-tokenizer, and the voices.
+"""A Kyutai TTS model folder loaded whole: the LM and its conditioners (one file), Mimi decoding the codebooks it
+says, the text tokenizer, and the voices.
+
+How many codebooks it says (`n_q`) is the model's own count unless asked for fewer. That default is what a
+moshi-server user hears: its TTS worker (`rust/moshi-server/tts.py`) is configured with `n_q = 24`, but that value
+only reaches `TTSModel.from_checkpoint_info`, which passes it to Mimi's `set_num_codebooks` (its encoder's setting;
+`decode` decodes every codebook it is given), while the worker's `LMGen` keeps `lm.dep_q` at the model's 32: the
+DepFormer samples 32 codebooks and Mimi decodes 32. Fewer (`--n-q 24`) is what moshi's `TTSModel.generate` says with
+`n_q=24` (it sets `lm.dep_q = n_q`): a quarter fewer DepFormer steps, the others read as the zero token.
 
 The folder is laid out as Kyutai publishes `kyutai/tts-1.6b-en_fr`: a `config.json` (LM kwargs plus `model_type`
 "tts", `tts_config`, `conditioners`, `fuser`, `model_id`) naming its files (`moshi_name`, `mimi_name`,
@@ -10,6 +17,7 @@ holding `speaker_wavs` [1, speaker_dim, frames].
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -19,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InputRefused
 from ..models.config import MIMI_PRESETS, ConfigError
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel
@@ -32,7 +40,7 @@ from .config import TTSConfig, tts_config_from_dict
 
 logger = logging.getLogger(__name__)
 
-MIMI_32 = ("demo-32", "mimi-32")  # the Mimi presets a TTS model decodes with: its 32 codebooks
+MIMI_32 = ("demo-32", "mimi-32")  # the Mimi presets a TTS model decodes with (32 codebooks, n_q of them used)
 
 
 @dataclass
@@ -43,6 +51,11 @@ class TTSModel:
     mimi: MimiModel
     tokenizer: TextTokenizer
     folder: Path
+
+    @property
+    def n_q(self) -> int:
+        """The codebooks it says: those its Mimi decodes."""
+        return self.mimi.cfg.num_codebooks
 
 
 def read_config(folder: Path) -> dict:
@@ -63,10 +76,12 @@ def load_tts(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     weights_dtype: str | None = None,
+    n_q: int | None = None,
 ) -> TTSModel:
     """Load the TTS model in `folder`; `CheckpointError` naming the file or key that does not fit. `weights_dtype`:
     the LM's projections as `load_lm` takes them (int8, bf16, or None: as the file stores them; a q8 file's other
-    matrices, the conditioners' too, are dequantized as they load)."""
+    matrices, the conditioners' too, are dequantized as they load). `n_q`: the codebooks to say (default: all the
+    model's); `InputRefused` (option `n_q`) outside 1 to the model's."""
     folder = Path(folder)
     raw = read_config(folder)
     try:
@@ -74,6 +89,9 @@ def load_tts(
     except ConfigError as e:
         raise CheckpointError(f"{folder / CONFIG_NAME}: {e}", "model") from None
     assert tts is not None
+    n_q = cfg.dep_q if n_q is None else n_q
+    if not 1 <= n_q <= cfg.dep_q:
+        raise InputRefused(f"{n_q}: {folder.name} says 1 to {cfg.dep_q} codebooks", "n_q")
     weights = folder / raw.get("moshi_name", MOSHI_NAME)
     mimi_path = folder / raw.get("mimi_name", MIMI_NAME)
     tokenizer_path = folder / raw.get("tokenizer_name", "tokenizer.model")
@@ -89,11 +107,13 @@ def load_tts(
     preset = mimi_preset_of(mimi_path, MIMI_32)
     if preset is None:
         raise CheckpointError(f"{mimi_path} is not a Mimi duplexd knows (32 codebooks: {', '.join(MIMI_32)})", "model")
-    mimi = load_mimi(mimi_path, MIMI_PRESETS[preset], device=device)
+    if MIMI_PRESETS[preset].n_q < n_q:
+        raise CheckpointError(f"{mimi_path} has {MIMI_PRESETS[preset].n_q} codebooks, the model says {n_q}", "model")
+    mimi = load_mimi(mimi_path, dataclasses.replace(MIMI_PRESETS[preset], num_codebooks=n_q), device=device)
     tokenizer = TextTokenizer(tokenizer_path)
     if tokenizer.vocab_size != cfg.text_card:
         raise CheckpointError(f"{tokenizer_path} has {tokenizer.vocab_size} pieces, the model {cfg.text_card}", "model")
-    logger.info("loaded the TTS model in %s (audio delay %d frames)", folder, tts.delay_steps)
+    logger.info("loaded the TTS model in %s (audio delay %d frames, %d codebooks said)", folder, tts.delay_steps, n_q)
     return TTSModel(lm, conditioner, tts, mimi, tokenizer, folder)
 
 

@@ -109,6 +109,7 @@ class SpeechService:
             final_padding=final_padding,
             graphs=graphs,
             pad=graphs,
+            n_q=model.n_q,
         )
         self.mimi = MimiStreams(model.mimi, max_streams)
         self.lock = threading.Lock()

@@ -233,6 +233,14 @@ class ServerSettings(BaseSettings):
         "dequantized); default: as the checkpoint stores them",
         _TTS,
     )
+    tts_n_q: int | None = opt(
+        None,
+        "audio codebooks said (default: all the model's, 32 for tts-1.6b, as moshi-server's worker says them; fewer "
+        "is quicker, as moshi's TTSModel(n_q=...), e.g. 24)",
+        _TTS,
+        metavar="N",
+        ge=1,
+    )
     tts_cfg_coef: float = opt(
         2.0, "the CFG coefficient of the distilled model's voices (moshi-server's cfg_coef)", _TTS, metavar="C"
     )

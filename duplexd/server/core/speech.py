@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from duplexd.engine.errors import CheckpointError
+from duplexd.engine.errors import CheckpointError, InputRefused
 from duplexd.engine.models.tokenizer import TextTokenizer
 from duplexd.engine.tts.config import TTSConfig
 from duplexd.engine.tts.demo import demo_tts_folder
@@ -109,9 +109,13 @@ def load_speech(settings: ServerSettings, device: str, dtype: torch.dtype) -> Sp
     started = time.perf_counter()
     try:
         folder = demo_tts_folder() if demo else hub_folder(settings.tts, TTS_FILES, "a Kyutai TTS model")
-        model = load_tts(folder, device=device, dtype=dtype, weights_dtype=settings.tts_weights_dtype)
+        model = load_tts(
+            folder, device=device, dtype=dtype, weights_dtype=settings.tts_weights_dtype, n_q=settings.tts_n_q
+        )
     except CheckpointError as e:
         raise CheckpointError(str(e), "tts") from None
+    except InputRefused as e:  # the only one load_tts raises is for n_q
+        raise InputRefused(str(e), "tts_n_q") from None
     try:
         voices_dir = hub_folder(settings.tts_voices, ["*.safetensors"], "voices") if settings.tts_voices else None
     except CheckpointError as e:
@@ -128,10 +132,11 @@ def load_speech(settings: ServerSettings, device: str, dtype: torch.dtype) -> Sp
     )
     model_id = "duplexd-demo-tts" if demo else folder.resolve().name
     logger.info(
-        "text to speech: %s on %s (%s), %d voices (default %s), %d streams, loaded in %.1f s",
+        "text to speech: %s on %s (%s), %d codebooks said, %d voices (default %s), %d streams, loaded in %.1f s",
         model_id,
         device,
         dtype,
+        model.n_q,
         len(voices),
         default,
         settings.tts_streams,
