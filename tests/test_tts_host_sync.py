@@ -1,8 +1,8 @@
 """The two device halves of a Kyutai TTS step (`TTSGen.listen`: temporal step with cross-attention to the voice
-and the text sample; `TTSGen.speak`: the 32-step DepFormer with its weight schedule and low-rank embeddings, the
-audio delay's mask and the ring) make no host sync and no CPU tensor: TTS 1.6B's shapes on the `meta` device, the
-Triton path forced and its launches no-ops (`tests/host_sync.py`). The host's part of the step sits between them,
-by design (docs/ARCHITECTURE.md, "Text-to-speech models")."""
+and the text sample; `TTSGen.speak`: the 32-step DepFormer (or 24: `n_q`) with its weight schedule and low-rank
+embeddings, the audio delay's mask and the ring) make no host sync and no CPU tensor: TTS 1.6B's shapes on the
+`meta` device, the Triton path forced and its launches no-ops (`tests/host_sync.py`). The host's part of the step
+sits between them, by design (docs/ARCHITECTURE.md, "Text-to-speech models")."""
 
 from __future__ import annotations
 
@@ -69,3 +69,17 @@ def test_the_halves_at_a_bucket_as_graphs_capture_them_do_no_host_work(gen, no_l
     assert hidden.shape == (3, TTS_1_6B.dim) and sampled.shape == (3,) and offsets.shape == (3,)
     assert out.shape == (3, 1 + TTS_1_6B.dep_q) and valid.shape == (3,)
     assert gen.bucketed_listen.bucket(3) == 4 and "_sample_kernel" in no_launch
+
+
+def test_fewer_codebooks_do_no_host_work(no_launch):
+    """`--tts-n-q 24`: a 24-step DepFormer, the zero token written for the other 8 codebooks, bucketed."""
+    lm = build_lm(TTS_1_6B, device="meta", dtype=torch.bfloat16)
+    gen = TTSGen(lm, None, TTS, num_slots=3, buckets=(4,), pad=True, n_q=24)  # type: ignore[arg-type]
+    for slot in range(3):
+        gen.states[slot] = WordFeeder(TTS_1_6B.text_in_card).start([])
+    index = torch.tensor([0, 2], device="meta")
+    with force_triton(), HostWork() as host:
+        hidden, _, _ = gen.bucketed_listen(index)
+        out, _ = gen.bucketed_speak(index, torch.zeros(2, dtype=torch.long, device="meta"), hidden)
+    assert not host.ops, "host work in a 24-codebook TTS step:\n" + "\n".join(map(str, host.ops))
+    assert out.shape == (2, 1 + 24)
