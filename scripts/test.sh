@@ -6,7 +6,8 @@
 #    espeak-ng (real speech for the voice-activity and codec tests), libopus0 (the Kyutai protocol's codec),
 #    nodejs and npm (the tests fetch opus-recorder's decoder and OpenAI's browser SDK from the npm registry).
 #    Where they cannot be installed the script goes on, and each test needing one skips naming it.
-# 2. The venv .venv with the test extra, and the reference `moshi` (the test oracle) without its old torch pin.
+# 2. The venv .venv with the test extra, and the test oracles without their dependencies: the reference `moshi` (its
+#    old torch pin) and Facebook's `denoiser`.
 # 3. pytest, in parallel (tests/parallel.py decides how); arguments go to pytest (`scripts/test.sh -k tts`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,5 +36,8 @@ fi
 python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 .venv/bin/pip install -q --disable-pip-version-check --no-deps moshi==0.2.13
+# Facebook's denoiser, the oracle of duplexd's Demucs (tests/test_voice_cloning.py): its demucs module needs torch
+# alone, and its pins (hydra-core<1.0, a torchaudio built for another torch) would break the venv.
+.venv/bin/pip install -q --disable-pip-version-check --no-deps denoiser==0.1.5
 
 DUPLEXD_SYSTEM_TOOLS=$tools exec .venv/bin/python -m tests.parallel "$@"

@@ -95,6 +95,7 @@ ENGINE_PARTS: dict[str, set[str]] = {
     "dialogue": {"shared", "kernels", "kv", "models", "persona"},
     "transcription": {"shared", "models", "weights", "wire"},
     "tts": {"shared", "kernels", "kv", "models", "weights"},
+    "voice": {"shared", "models", "weights"},
 }
 
 

@@ -475,12 +475,16 @@ class MimiModel(nn.Module):
     def decoder_modules(self) -> list[nn.Module]:
         return [self.upsample, self.decoder_transformer, self.decoder]
 
-    def encode_frame(self, pcm: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        """pcm [B, frame_size] → codes [B, num_codebooks] (one frame, advancing the encoder state)."""
+    def latents(self, pcm: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        """pcm [B, frame_size * k] → the unquantized latents [B, dimension, k] (advancing the encoder state by k
+        frames): what the quantizer reads, the reference's `encode_to_latent(x, quantize=False)`."""
         emb = self.encoder(pcm[:, None, :], ctx)
         emb = self.encoder_transformer(emb.transpose(1, 2), ctx).transpose(1, 2)
-        emb = self.downsample(emb, ctx)  # [B, d, 1]
-        return self.quantizer.encode(emb[..., 0], self.cfg.num_codebooks)
+        return self.downsample(emb, ctx)
+
+    def encode_frame(self, pcm: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        """pcm [B, frame_size] → codes [B, num_codebooks] (one frame, advancing the encoder state)."""
+        return self.quantizer.encode(self.latents(pcm, ctx)[..., 0], self.cfg.num_codebooks)
 
     def decode_frame(self, codes: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """codes [B, num_codebooks] → pcm [B, frame_size] (one frame, advancing the decoder state)."""
@@ -645,9 +649,8 @@ class MimiStreams:
         device = self.model.downsample.weight.device
         return Rows(torch.tensor(ids, dtype=torch.long, device=device), ids)
 
-    @torch.no_grad()
-    def encode(self, slots: torch.Tensor | Sequence[int], pcm: torch.Tensor) -> torch.Tensor:
-        """pcm float [B, frame_size * n] (or [B, 1, ...]) → codes long [B, num_codebooks, n]."""
+    def _frames(self, pcm: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Checked pcm [B, frame_size * n] (or [B, 1, ...]) cut into its n frames, in the model's dtype."""
         if pcm.dim() == 3 and pcm.shape[1] == 1:
             pcm = pcm[:, 0]
         fs = self.cfg.frame_size
@@ -656,8 +659,31 @@ class MimiStreams:
                 f"pcm must be [batch, samples] with samples a positive multiple of the frame size {fs}, "
                 f"got shape {list(pcm.shape)}; buffer partial frames before encoding"
             )
-        rows = self._rows(slots, pcm.shape[0])
-        return torch.stack([self.encode_frame(rows, frame) for frame in pcm.split(fs, dim=-1)], dim=-1)
+        return pcm.to(self.model.downsample.weight.dtype).split(fs, dim=-1)
+
+    @torch.no_grad()
+    def encode(self, slots: torch.Tensor | Sequence[int], pcm: torch.Tensor) -> torch.Tensor:
+        """pcm float [B, frame_size * n] (or [B, 1, ...]) → codes long [B, num_codebooks, n]."""
+        frames = self._frames(pcm)
+        rows = self._rows(slots, frames[0].shape[0])
+        return torch.stack([self.encode_frame(rows, frame) for frame in frames], dim=-1)
+
+    @torch.no_grad()
+    def encode_latent(
+        self, slots: torch.Tensor | Sequence[int], pcm: torch.Tensor, frames_per_call: int = 1
+    ) -> torch.Tensor:
+        """pcm float [B, frame_size * n] (or [B, 1, ...]) → the unquantized latents [B, dimension, n]: from a fresh
+        slot, the reference's `encode_to_latent(pcm, quantize=False)` on the same samples while n frames' steps fit
+        the transformers' context. `frames_per_call` frames go through at once (each call's steps' keys are
+        written before they attend, so a call may take no more steps than the context holds)."""
+        steps = frames_per_call * self.cfg.downsample_stride
+        if not 1 <= steps <= self.cfg.context:
+            raise ValueError(f"frames_per_call must be 1 to {self.cfg.context // self.cfg.downsample_stride}")
+        frames = self._frames(pcm)
+        rows = self._rows(slots, frames[0].shape[0])
+        ctx = _Ctx(rows, self._encoder)
+        chunks = [torch.cat(frames[i : i + frames_per_call], dim=-1) for i in range(0, len(frames), frames_per_call)]
+        return torch.cat([self.model.latents(chunk, ctx) for chunk in chunks], dim=-1)
 
     @torch.no_grad()
     def decode(self, slots: torch.Tensor | Sequence[int], codes: torch.Tensor) -> torch.Tensor:

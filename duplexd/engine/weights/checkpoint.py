@@ -714,15 +714,20 @@ def mimi_preset_of(path: Path, presets: Iterable[str]) -> str | None:
     """The first of `presets` whose Mimi has exactly the keys and shapes of the file at `path` (header only, no
     tensor read), None when none has or the file is unreadable (loading says why). A file does not say how many
     codebooks are used, only the architecture: this tells the demo's tiny Mimi from Kyutai's full-size one."""
+    return mimi_config_of(path, {name: MIMI_PRESETS[name] for name in presets})
+
+
+def mimi_config_of(path: Path, configs: dict[str, MimiConfig]) -> str | None:
+    """`mimi_preset_of` over any named configs: the first whose Mimi has exactly the file's keys and shapes."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             shapes = {_normalise_mimi(key): tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except (SafetensorError, OSError):
         return None
     naming = detect_naming(set(shapes))
-    for name in presets:
+    for name, cfg in configs.items():
         with torch.device("meta"):
-            model = MimiModel(MIMI_PRESETS[name])
+            model = MimiModel(cfg)
         if {row.key: row.shape for row in mimi_key_map(model, naming)} == shapes:
             return name
     return None
