@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "transcribe an audio file with Gemma 4 (split at pauses, any length) or Kyutai STT (words)",
     ),
     "speak": ("duplexd.commands.speak", "text to speech with a Kyutai TTS model (a wav file out)"),
+    "voice": ("duplexd.commands.voice", "voice cloning: `voice make AUDIO --out VOICE.safetensors`, a voice for speak"),
     "serve": ("duplexd.server.cli", "serve the model over WebSockets (Kyutai protocol and OpenAI Realtime)"),
     "chat": (
         "duplexd.clients.chat",

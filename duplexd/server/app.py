@@ -24,7 +24,7 @@ from .core.settings import ServerSettings
 from .core.static import WebClient, static_dir
 from .core.version import VERSION
 from .kyutai import chat, stt_refusal
-from .moshi_server import asr, asr_upload, tts
+from .moshi_server import asr, asr_upload, tts, voice
 from .openai_audio import speech, transcriptions
 from .realtime import conversation, transcription
 from .realtime.webrtc import calls
@@ -100,6 +100,8 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
     if runtime.speech is not None:  # --tts: moshi-server's /api/tts_streaming and OpenAI's speech endpoint
         app.include_router(tts.router)
         app.include_router(speech.router)
+    if runtime.cloning is not None:  # --voice-mimi: moshi-server's /api/voice
+        app.include_router(voice.router)
     web = static_dir(settings.static)
     if web is not None:
         app.mount("/", WebClient(web), name="web")

@@ -50,7 +50,12 @@ VOICE_MIMIS: dict[str, MimiConfig] = {
 
 
 class VoiceRefused(InputRefused):
-    """A recording no voice is made of; the message says why."""
+    """A recording no voice is made of; the message says why, `reason` in a word (`invalid_audio`,
+    `audio_too_short`, `silent_audio`, `unmeasurable_loudness`)."""
+
+    def __init__(self, message: str, reason: str = "invalid_audio") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -73,7 +78,8 @@ class VoiceMaker:
         if len(pcm) < MIN_SECONDS * SAMPLE_RATE:
             raise VoiceRefused(
                 f"the recording is {len(pcm) / SAMPLE_RATE:.2f} s long: at least {MIN_SECONDS:g} s of speech is needed "
-                f"(the first {SECONDS} s are used)"
+                f"(the first {SECONDS} s are used)",
+                "audio_too_short",
             )
         clip = np.zeros(LENGTH, dtype=np.float32)
         clip[: min(len(pcm), LENGTH)] = pcm[:LENGTH]
@@ -82,7 +88,8 @@ class VoiceMaker:
         if float(np.std(clip - clip.mean())) < ENERGY_FLOOR:
             raise VoiceRefused(
                 f"the recording is silent (its first {SECONDS} s have an RMS under {ENERGY_FLOOR:g}, -54 dBFS): "
-                "no voice to clone"
+                "no voice to clone",
+                "silent_audio",
             )
         wav = torch.from_numpy(clip).view(1, 1, -1)
         low, high = self.bands.split(wav)
@@ -91,7 +98,7 @@ class VoiceMaker:
         try:
             wav = normalize_loudness(wav, SAMPLE_RATE)
         except LoudnessError as e:
-            raise VoiceRefused(f"the recording's loudness cannot be measured: {e}") from None
+            raise VoiceRefused(f"the recording's loudness cannot be measured: {e}", "unmeasurable_loudness") from None
         cfg = self.mimi.cfg  # the whole clip in one call (250 steps: the context of the released Mimi)
         per_call = max(1, min(LENGTH // cfg.frame_size, cfg.context // cfg.downsample_stride))
         return MimiStreams(self.mimi, 1, decoder=False).encode_latent([0], wav[:, 0], per_call).float()

@@ -26,6 +26,7 @@ from duplexd.engine.tts.model import read_config
 from duplexd.engine.weights.hub import hub_repo
 from duplexd.engine.weights.model_files import check_model_files
 
+from .cloning import check_cloning
 from .runtime import resolve_files
 from .settings import ServerSettings, SettingsError
 from .speech import DEMO_TTS, cfg_table_value, default_voice, voice_names
@@ -208,6 +209,7 @@ def preflight(settings: ServerSettings) -> socket.socket:
         if settings.tts_device is not None:
             check_devices([settings.tts_device], "tts_device")
         check_tts(settings)
+        check_cloning(settings)
     except InputRefused as e:
         raise refused(settings, e) from None
     check_tls(settings)

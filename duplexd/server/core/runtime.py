@@ -43,6 +43,7 @@ from duplexd.engine.weights.demo import draw_random_, ensure_demo
 from duplexd.engine.weights.hub import resolve_file
 from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
 
+from .cloning import VoiceCloning, load_cloning
 from .persona import PersonaRefused, Personas
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
 from .speech import SpeechModel, load_speech
@@ -146,11 +147,13 @@ class Runtime:
         personas: Personas | None = None,
         tokenizer: TextTokenizer | None = None,
         speech: SpeechModel | None = None,
+        cloning: VoiceCloning | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("no engine to serve with")
         self.engines, self.info, self.transcription = engines, info, transcription
         self.speech = speech  # `--tts`: the text-to-speech model served beside the main one
+        self.cloning = cloning  # `--voice-mimi`: voices for it made from recordings
         self.tokenizer = tokenizer  # the LM's, for what reads its text ids (words of /api/asr-streaming)
         self.voices = voices  # `--voices`, loaded and encoded once
         self.personas = personas or Personas.off()  # what a session's text and voice prompt turn into
@@ -179,6 +182,8 @@ class Runtime:
             self.transcription.stop()
         if self.speech is not None:
             self.speech.service.stop()
+        if self.cloning is not None:
+            self.cloning.close()
 
     def open_session(
         self, params: SamplingParams, max_frames: int | None = None, prompt: PersonaPrompt | None = None
@@ -296,6 +301,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
     if settings.tts is not None:
         tts_device = settings.tts_device or settings.devices[0]
         speech = load_speech(settings, tts_device, weight_dtype(settings, tts_device))
+    cloning = load_cloning(settings, speech.model.tts if speech is not None else None)
     engines = []
     models: list[tuple[LMModel, MimiModel]] = []
     for index, device in enumerate(settings.devices):
@@ -370,7 +376,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         asr_delay_tokens=asr_delay_tokens(settings, files) if lm.cfg.text_only else None,
         pause_heads=lm.cfg.extra_heads_num_heads,
     )
-    return Runtime(engines, info, transcription, voices, personas, tokenizer, speech)
+    return Runtime(engines, info, transcription, voices, personas, tokenizer, speech, cloning)
 
 
 def asr_delay_tokens(settings: ServerSettings, files: ModelFiles) -> int:

@@ -49,6 +49,7 @@ _NET, _MODEL, _CAP, _ACCESS = "network", "model (default: the demo model, on the
 _ASR = "transcription of the users' speech (Gemma 4; needs the gemma extra)"
 _TTS = "text to speech (a Kyutai TTS model beside the main one: /api/tts_streaming, /v1/audio/speech)"
 _RTC = "WebRTC calls of the Realtime API (/v1/realtime/calls; needs the webrtc extra)"
+_VOICE = "voice cloning (POST /api/voice, as moshi-server's voice module: a voice for the --tts model from a recording)"
 
 
 class ServerSettings(BaseSettings):
@@ -250,6 +251,23 @@ class ServerSettings(BaseSettings):
     tts_idle_timeout: float = opt(
         30.0, "close a speech stream after this many seconds without a client frame (moshi-server's 30 s)", _TTS, gt=0
     )
+    voice_mimi: str | None = opt(
+        None,
+        "the voice Mimi voices are encoded with: a path, hf://org/repo/file or a repo id (Unmute's: "
+        "hf://kyutai/unmute-voice-cloning/e9d43d50_500_mimi_voice.safetensors); with --voice-denoiser and --tts",
+        _VOICE,
+        metavar="REF",
+    )
+    voice_denoiser: str | None = opt(
+        None,
+        "the speech denoiser recordings go through first: Facebook's Demucs dns64 checkpoint "
+        "(dns64-a7761ff99a7d5bb6.th, or a safetensors copy); with --voice-mimi",
+        _VOICE,
+        metavar="REF",
+    )
+    voice_threads: int = opt(
+        1, "CPU threads a voice is made with (a voice at a time, as moshi-server; the others wait)", _VOICE, ge=1
+    )
     api_key: str | None = opt(
         None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS, metavar="KEY"
     )
@@ -366,6 +384,10 @@ class ServerSettings(BaseSettings):
             self._check_random_weights()
         if self.codec_processes and "codec_threads" in self.model_fields_set:
             raise ValueError("--codec-threads and --codec-processes: choose one (processes replace the threads)")
+        if bool(self.voice_mimi) != bool(self.voice_denoiser):
+            raise ValueError("voice cloning needs both --voice-mimi and --voice-denoiser")
+        if self.voice_mimi and self.tts is None:
+            raise ValueError("voice cloning (--voice-mimi) makes voices for a text-to-speech model: give --tts too")
         return self
 
     def _check_random_weights(self) -> None:
