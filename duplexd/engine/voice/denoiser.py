@@ -13,6 +13,7 @@ scaled back. Module names are the checkpoint's (`encoder.{i}.0`, `encoder.{i}.2`
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import torch
@@ -130,7 +131,7 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
         if path.suffix in (".safetensors", ".sft"):
             return load_file(str(path))
         state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as e:
+    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         why = " ".join(str(e).split())[:300]
         raise CheckpointError(f"{path}: not a readable denoiser checkpoint ({why})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
