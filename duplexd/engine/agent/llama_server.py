@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     params.sampling.seed = args.seed
     params.use_jinja = True
     params.chat_template = template
-    server = xllamacpp.Server(params)  # loads the model and listens before it returns
+    try:
+        server = xllamacpp.Server(params)  # loads the model and listens before it returns
+    except RuntimeError as exc:  # llama.cpp has logged why, just above
+        print(f"llama.cpp's server did not start: {exc}", file=sys.stderr, flush=True)
+        return 1
 
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
