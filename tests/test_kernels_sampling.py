@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from duplexd.kernels.dispatch import force_triton
-from duplexd.kernels.sampling import sample, sample_reference, sample_triton
+from duplexd.kernels.sampling import FrameSampler, sample, sample_reference, sample_triton
 from duplexd.kernels.testing import INT_POISON, poisoned_allocations
 
 CHI2_999 = {5: 20.515}  # chi-square critical values at p = 0.001 by degrees of freedom
@@ -105,3 +105,15 @@ def test_dispatcher():
     assert torch.equal(sample(*args, stream=0), sample_reference(*args, stream=0))
     with force_triton():
         assert torch.equal(sample(*args, stream=0), sample_reference(*args, stream=0))
+
+
+@pytest.mark.parametrize("vocab, top_k", [(2048, 250), (301, 25), (40, 64)])
+def test_frame_sampler_draws_the_reference_tokens(vocab, top_k):
+    """The CPU DepFormer's sampler: per-frame keys, a token-hash table, numpy's uint32 hashes, an unordered top k."""
+    for seed in range(20):
+        logits, temperature, _, seeds, frames = _batch(6, vocab, seed)
+        seeds[1] = -(2**40)  # negative seeds: only the low 32 bits count
+        sampler = FrameSampler(temperature, top_k, seeds, frames, range(1, 33))
+        for stream in (1, 2, 17, 32):
+            expected = sample_reference(logits, temperature, torch.full((6,), top_k), seeds, frames, stream)
+            assert torch.equal(sampler(stream, logits), expected)

@@ -3,9 +3,11 @@
 MKL's fp32 GEMM with a handful of rows (a batch of decode steps, Mimi's two tokens per slot) runs at a third of
 its single-row bandwidth on the CPUs measured here, while a oneDNN matmul on a weight packed once for its
 blocking keeps ~8.5 GB/s (docs/BENCHMARKS.md). Single rows stay on `x @ w`, which is faster still, and so do
-tall inputs (many rows), where MKL is compute-bound and fine. The packed copy is made on first use, keyed by the
-weight (a view is keyed by its base tensor and geometry, so per-step slices of a stacked weight each get one),
-and remade if the weight is modified in place; it doubles that weight's memory.
+tall inputs (many rows), where MKL is compute-bound and fine, and small weights (under `MIN_PACKED` elements: a
+demo model's, a DepFormer's): the oneDNN call costs ~20 us whatever the size, `x @ w` a few (2-core Xeon, 4 rows
+of 64 x 192: 4 us against 32 us packed). The packed copy is made on first use, keyed by the weight (a view is
+keyed by its base tensor and geometry, so per-step slices of a stacked weight each get one), and remade if the
+weight is modified in place; it doubles that weight's memory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 # leave with their base tensor.
 _PACKED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 MAX_ROWS = 64  # above this MKL's GEMM is as good
+MIN_PACKED = 1 << 18  # elements (1 MiB of fp32): below this a weight sits in cache and `x @ w` wins
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -42,6 +45,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if (
         not 1 < rows <= MAX_ROWS
+        or w.numel() < MIN_PACKED
         or not _ONEDNN
         or x.device.type != "cpu"
         or x.dtype != torch.float32

@@ -19,6 +19,9 @@ the unmodified logits, as the Rust server does, so pad_mult has no effect on the
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from ._triton import tl, triton
@@ -264,3 +267,54 @@ def sample(
     if use_triton(logits):
         return sample_triton(logits, temperature, top_k, seeds, frames, stream, pad_id, pad_mult)
     return sample_reference(logits, temperature, top_k, seeds, frames, stream, pad_id, pad_mult)
+
+
+def _hash32_np(x: np.ndarray) -> np.ndarray:
+    """`hash32` on uint32 arrays, whose multiplications wrap mod 2^32 as the Triton kernel's do: 7 numpy ops
+    instead of torch's 19 on int64."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+@functools.cache
+def _token_hashes(vocab: int) -> np.ndarray:
+    """`hash32(token + _TOKEN_SALT)` of every token id below `vocab` (uint32): the token's half of the noise key."""
+    return _hash32_np(np.arange(vocab, dtype=np.uint32) + np.uint32(_TOKEN_SALT))
+
+
+class FrameSampler:
+    """`sample_reference` for the streams `streams` of one frame of CPU rows, the same draws in a fifth of the ops:
+    the rows' temperatures and keys are read once a frame, not once a stream; the token half of the noise key
+    comes from a table; the hashes run in numpy's wrapping uint32 (the float maths stays torch's, as the
+    reference's). One top-k for every row (`top_k`), as the DepFormer's streams have."""
+
+    def __init__(
+        self, temperature: torch.Tensor, top_k: int, seeds: torch.Tensor, frames: torch.Tensor, streams: range
+    ) -> None:
+        self.top_k, self.first_stream = top_k, streams.start
+        self.divisor = temperature.float().clamp(min=1e-6)[:, None]
+        self.positive = temperature > 0
+        self.mixed = not bool(self.positive.all())  # greedy rows (T = 0) take the argmax, as the reference's
+        seed_key = _hash32_np(seeds.numpy().astype(np.uint32) ^ np.uint32(_SEED_SALT))
+        row = _hash32_np(seed_key ^ frames.numpy().astype(np.uint32))
+        self.keys = _hash32_np(row[:, None] ^ np.arange(streams.start, streams.stop, dtype=np.uint32)[None, :])
+
+    def __call__(self, stream: int, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        vocab = logits.shape[-1]
+        k = max(1, min(self.top_k, vocab))
+        flat = logits.numpy()
+        # The top k unordered (a 4th of torch.topk's time): the draw is the candidates' best score, whatever their
+        # order (exact ties of two scores aside, which the reference's order breaks otherwise).
+        top = np.argpartition(flat, vocab - k, axis=-1)[:, vocab - k :] if k < vocab else np.indices(flat.shape)[1]
+        values = torch.from_numpy(np.take_along_axis(flat, top, axis=-1))
+        column = stream - self.first_stream
+        bits = _hash32_np(self.keys[:, column : column + 1] ^ _token_hashes(vocab)[top])
+        noise = torch.from_numpy(((bits >> np.uint32(9)) * np.uint32(2) + np.uint32(1)).astype(np.float32))
+        gumbel = -torch.log(-torch.log(noise * 2.0**-24))
+        best = (values / self.divisor + gumbel).argmax(dim=-1, keepdim=True).numpy()
+        sampled = torch.from_numpy(np.take_along_axis(top, best, axis=-1)[:, 0].astype(np.int64))
+        return torch.where(self.positive, sampled, logits.argmax(dim=-1)) if self.mixed else sampled

@@ -75,6 +75,11 @@ class DepformerLayer(nn.Module):
         self.w_out = _param(steps, hidden, dim)
 
 
+def _sets(w: Weight) -> Sequence[Weight]:
+    """The weight sets of a stacked weight (a leading axis of DepFormer steps) as views, in one op."""
+    return w.unbind(0) if isinstance(w, torch.Tensor) else [w[i] for i in range(len(w.codes))]
+
+
 def gated_mlp(x: torch.Tensor, w_in: Weight, w_out: Weight, project: Projection) -> torch.Tensor:
     """`(silu(gate) * value) @ w_out`; the outputs of `w_in` are [gate | value] as in the reference."""
     return project(silu_gate(project(x, w_in)), w_out)
@@ -193,13 +198,6 @@ class LMModel(nn.Module):
             x = self.project(x.masked_fill((text == -1).unsqueeze(-1), 0.0), self.dep_text_low_rank)
         return x
 
-    def depformer_audio_embedding(self, step: int, tokens: torch.Tensor) -> torch.Tensor:
-        """The DepFormer's input embedding of codebook `step`'s token [B], for step `step + 1`."""
-        x = F.embedding(tokens.clamp(min=0), self.dep_audio_emb[step]).masked_fill((tokens == -1).unsqueeze(-1), 0.0)
-        if self.cfg.depformer_low_rank_embeddings:
-            x = self.project(x, self.dep_audio_low_rank[step])
-        return x
-
     def voice_keys_values(self, source: torch.Tensor) -> torch.Tensor:
         """Each layer's cross-attention keys and values of a voice, source [S, dim] (Kyutai TTS): [layers, 2, heads,
         S, head_dim], computed once when a session starts and kept for its every step."""
@@ -292,30 +290,44 @@ class LMModel(nn.Module):
         q = cfg.agent_codebooks if steps is None else steps
         heads, dh = cfg.depformer_num_heads, cfg.depformer_head_dim
         batch = hidden.shape[0]
-        kv = hidden.new_empty(len(self.dep_layers), 2, batch, heads, q, dh)
-        prev = self.depformer_text_embedding(text_token)
-        tokens, all_logits = [], []
         dep_layers = cast(Sequence[DepformerLayer], self.dep_layers)
         last = len(dep_layers) - 1
         project = self.project
+        # Everything a sub-step reads that does not depend on the tokens, taken out of the loop: each weight set's
+        # slices (one unbind a weight, not one select a sub-step) and each weight set's input projection of
+        # `hidden` (one matmul a set, not one a sub-step); each layer's keys and values as views.
+        in_sets = _sets(self.dep_in)
+        dep_in = {w: project(hidden, in_sets[w]) for w in {cfg.depformer_weight_set(step) for step in range(q)}}
+        weights = [(_sets(lay.wqkv), _sets(lay.wo), _sets(lay.w_in), _sets(lay.w_out)) for lay in dep_layers]
+        heads_w, audio_emb = _sets(self.dep_heads), self.dep_audio_emb.unbind(0)
+        low_rank = _sets(self.dep_audio_low_rank) if cfg.depformer_low_rank_embeddings else None
+        kv = hidden.new_empty(len(self.dep_layers), 2, batch, heads, q, dh)
+        keys, values = [kv[i, 0] for i in range(len(dep_layers))], [kv[i, 1] for i in range(len(dep_layers))]
+        attn_norms = [layer.attn_norm for layer in dep_layers]
+        prev = self.depformer_text_embedding(text_token)
+        tokens, all_logits = [], []
         for step in range(q):
             w = cfg.depformer_weight_set(step)
-            h, x = add_rms_norm(project(hidden, self.dep_in[w]), prev, dep_layers[0].attn_norm, NORM_EPS)
+            h, x = add_rms_norm(dep_in[w], prev, attn_norms[0], NORM_EPS)
             for i, layer in enumerate(dep_layers):
-                qkv = project(h, layer.wqkv[w]).view(batch, 3, heads, dh)
-                kv[i, :, :, :, step] = qkv[:, 1:].transpose(0, 1)
-                attn = attend(qkv[:, 0], kv[i, 0, :, :, : step + 1], kv[i, 1, :, :, : step + 1])
-                h, x = add_rms_norm(project(attn.flatten(1), layer.wo[w]), x, layer.mlp_norm, NORM_EPS)
-                update = gated_mlp(h, layer.w_in[w], layer.w_out[w], project)
+                wqkv, wo, w_in, w_out = weights[i]
+                qkv = project(h, wqkv[w]).view(batch, 3, heads, dh)
+                keys[i][:, :, step] = qkv[:, 1]
+                values[i][:, :, step] = qkv[:, 2]
+                attn = attend(qkv[:, 0], keys[i][:, :, : step + 1], values[i][:, :, : step + 1])
+                h, x = add_rms_norm(project(attn.flatten(1), wo[w]), x, layer.mlp_norm, NORM_EPS)
+                update = gated_mlp(h, w_in[w], w_out[w], project)
                 if i < last:
-                    h, x = add_rms_norm(update, x, dep_layers[i + 1].attn_norm, NORM_EPS)
+                    h, x = add_rms_norm(update, x, attn_norms[i + 1], NORM_EPS)
                 else:
                     x = x + update
-            logits = project(x, self.dep_heads[step])
+            logits = project(x, heads_w[step])
             token = sample(step, logits)
             tokens.append(token)
             if want_logits:
                 all_logits.append(logits)
-            if step + 1 < q:
-                prev = self.depformer_audio_embedding(step, token)
+            if step + 1 < q:  # a sampled token is a real one (never -1): its embedding needs no mask
+                prev = F.embedding(token, audio_emb[step])
+                if low_rank is not None:
+                    prev = project(prev, low_rank[step])
         return DepformerOutput(torch.stack(tokens, 1), torch.stack(all_logits, 1) if want_logits else None)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from duplexd.kernels.sampling import sample
+from duplexd.kernels.dispatch import use_triton
+from duplexd.kernels.sampling import FrameSampler, sample
 
 from ..graphs import BucketedCall, default_buckets
 from ..kv.paged import window_pages
@@ -184,7 +185,9 @@ class TTSGen:
         bucketed = self.bucketed_listen.pad
         greedy = all(self.greedy[slot] for slot in slots)  # sampling's noise and top-k are a quarter of a CPU step
         with turn():
-            hidden, sampled, offsets = self.bucketed_listen(index) if bucketed else self.listen(index, greedy)
+            hidden, sampled, offsets = (
+                self.bucketed_listen(index) if bucketed else self.listen(index, greedy, self._voices_of(slots))
+            )
             sampled_list, positions = sampled.tolist(), offsets.tolist()
         read = []  # the host's part of the step: each slot's words decide the text the model reads
         for slot, offset, token in zip(slots, positions, sampled_list, strict=True):
@@ -208,16 +211,26 @@ class TTSGen:
         at = self.offsets[index]
         return sample(logits, self.temperature[index], torch.full_like(at, top_k), self.seeds[index], at, stream)
 
-    def listen(self, index: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _voices_of(self, slots: Sequence[int]) -> torch.Tensor | None:
+        """The voices of `slots` as a view when they are consecutive (the usual batch: slots are taken from 0), so
+        that the step does not copy every layer's voice keys and values; None (a gather) otherwise."""
+        first = slots[0] if slots else 0
+        if list(slots) != list(range(first, first + len(slots))):
+            return None
+        return self.voices[:, :, first : first + len(slots)]
+
+    def listen(
+        self, index: torch.Tensor, greedy: bool, voices: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The temporal step of the slots `index` [B] and their text samples: (hidden [B, dim], sampled [B], the
-        slots' offsets [B]), device tensors."""
+        slots' offsets [B]), device tensors. `voices`: the slots' voices when the caller has them as a view."""
         cfg, ring, ct, model = self.cfg, self.ring, self.ring_size, self.model
         offsets = self.offsets[index]
         column = ring[index, :, :].gather(2, (offsets % ct)[:, None, None].expand(-1, cfg.num_codebooks, 1))[..., 0]
         tokens_in = torch.where(offsets[:, None] <= self.delays[None, :], self.initial[None, :], column)
         x = model.embed(tokens_in) + self.sums[index]
         hidden, logits = model.forward_embeddings(
-            x, offsets, self.kv, self.kv.batch(index, offsets), self.voices[:, :, index]
+            x, offsets, self.kv, self.kv.batch(index, offsets), self.voices[:, :, index] if voices is None else voices
         )
         return hidden, self._pick(index, greedy, logits, TEXT_TOP_K, 0), offsets
 
@@ -237,11 +250,14 @@ class TTSGen:
         audio = torch.full((len(index), self.n_q), -1, dtype=torch.long, device=index.device)
         if rows is None or len(rows):
             at = index if rows is None else index[rows]
+            pick = lambda step, lg: self._pick(at, greedy, lg, AUDIO_TOP_K, 1 + step)  # noqa: E731
+            if not greedy and hidden.device.type == "cpu" and not use_triton(hidden):  # rows read once a frame
+                sampler = FrameSampler(
+                    self.temperature[at], AUDIO_TOP_K, self.seeds[at], self.offsets[at], range(1, 1 + self.n_q)
+                )
+                pick = lambda step, lg: sampler(1 + step, lg)  # noqa: E731
             spoken = model.forward_depformer(
-                hidden if rows is None else hidden[rows],
-                text if rows is None else text[rows],
-                lambda step, lg: self._pick(at, greedy, lg, AUDIO_TOP_K, 1 + step),
-                steps=self.n_q,
+                hidden if rows is None else hidden[rows], text if rows is None else text[rows], pick, steps=self.n_q
             ).tokens
             audio = spoken if rows is None else audio.index_copy(0, rows, spoken)
         silent = offsets[:, None] < self.delays[None, 1 : 1 + self.n_q] + self.tts.delay_steps
