@@ -25,17 +25,21 @@ import pytest
 import requests
 import soundfile as sf
 import torch
+import yaml
 from denoiser.demucs import Demucs
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from duplexd.commands.cli import build_parser
 from duplexd.engine.models.config import DEMO_MIMI
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.voice.maker import load_voice_maker
 from duplexd.engine.voice.recording import read_recording
 from duplexd.engine.weights.checkpoint import save_mimi_weights
+from duplexd.server.cli import settings_from_args
 
 from .live_server import running_server
+from .test_deploy_files import DOCKER, interpolate
 from .test_voice_cloning import recording
 
 HEADERS = {"kyutai-api-key": "public_token"}  # Unmute's `kyutai_constants.HEADERS`
@@ -176,7 +180,14 @@ def test_the_event_loop_answers_while_voices_are_made(server):
     """Voices are made on their own thread: the server answers other requests meanwhile."""
     audio = wav_bytes(recording(10.0), 24_000)
     answers: list[int] = []
-    posts = [threading.Thread(target=lambda: answers.append(post_voice(server.url, audio).status_code)) for _ in "ab"]
+
+    def clone() -> None:
+        answers.append(post_voice(server.url, audio).status_code)
+
+    started = time.perf_counter()
+    clone()
+    alone = time.perf_counter() - started  # one voice, the server otherwise idle
+    posts = [threading.Thread(target=clone) for _ in "abc"]
     for post in posts:
         post.start()
     waits = []
@@ -184,11 +195,12 @@ def test_the_event_loop_answers_while_voices_are_made(server):
         started = time.perf_counter()
         assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
         waits.append(time.perf_counter() - started)
-        time.sleep(0.05)
+        time.sleep(0.02)
     for post in posts:
         post.join()
-    assert answers == [200, 200]
-    assert len(waits) >= 3 and max(waits) < 1.0, waits
+    print(f"a voice alone: {alone:.2f} s; /health meanwhile: {len(waits)} answers, the slowest {max(waits):.3f} s")
+    assert answers == [200] * 4
+    assert len(waits) >= 5 and max(waits) < min(0.3 * alone, 1.0), waits
 
 
 def test_moshi_servers_other_routes_as_unmute_probes_them(server):
@@ -197,3 +209,17 @@ def test_moshi_servers_other_routes_as_unmute_probes_them(server):
     assert requests.get(f"{server.url}/api/build_info", timeout=2).status_code == 200
     modules = json.loads(requests.get(f"{server.url}/api/modules_info").text)
     assert [m["type"] for m in modules] == ["py"] and modules[0]["path"] == "/api/tts_streaming"
+
+
+def test_unmutes_compose_file_points_all_three_at_one_duplexd():
+    """docker/compose.unmute.yaml: Unmute's backend finds its STT, TTS and voice cloning at the one duplexd, whose
+    command is settings `duplexd serve` takes, with Unmute's voice Mimi and the dns64 file mounted where it is named."""
+    compose = yaml.safe_load(interpolate((DOCKER / "compose.unmute.yaml").read_text()))
+    env = dict(item.split("=", 1) for item in compose["services"]["backend"]["environment"])
+    assert env["KYUTAI_STT_URL"] == env["KYUTAI_TTS_URL"] == "ws://duplexd:8998"
+    assert env["KYUTAI_VOICE_CLONING_URL"] == "http://duplexd:8998"  # Unmute posts to it with requests: http
+    duplexd = compose["services"]["duplexd"]
+    settings = settings_from_args(build_parser("serve").parse_args(["serve", *duplexd["command"]]))
+    assert settings.voice_mimi == "hf://kyutai/unmute-voice-cloning/e9d43d50_500_mimi_voice.safetensors"
+    assert settings.tts and settings.api_key == "public_token"
+    assert any(mount.split(":")[1] == settings.voice_denoiser for mount in duplexd["volumes"])
