@@ -4,9 +4,10 @@ data=audio_data, headers={"Content-Type": "application/octet-stream"})`, `raise_
 came), the answer's bytes as moshi-server's rmp_serde writes them, that answer sent on to `/api/tts_streaming` first
 thing, as Unmute's `TextToSpeech.start_up` sends a `custom:` voice, and every bad recording refused clearly.
 
-The server is Unmute's whole speech side in one: the demo model, the demo TTS (greedy, so a voice's speech is
-repeatable), and voice cloning with the demo's voice Mimi (its 32-wide latent is the demo TTS's voice) and a small
-random Demucs, behind Unmute's API key (`public_token`), which `/api/voice` does not ask for, as moshi-server's.
+The server is Unmute's whole speech side in one: the demo STT as its main model, the demo TTS (greedy, so a
+voice's speech is repeatable), and voice cloning with the demo's voice Mimi (its 32-wide latent is the demo TTS's
+voice) and a small random Demucs, behind Unmute's API key (`public_token`), which `/api/voice` does not ask for,
+as moshi-server's.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.voice.maker import load_voice_maker
 from duplexd.engine.voice.recording import read_recording
 from duplexd.engine.weights.checkpoint import save_mimi_weights
+from duplexd.engine.weights.demo import ensure_demo_stt
 from duplexd.server.cli import settings_from_args
 
 from .live_server import running_server
 from .test_deploy_files import DOCKER, interpolate
+from .test_tts_streaming import unmute_stt
 from .test_voice_cloning import recording
 
 HEADERS = {"kyutai-api-key": "public_token"}  # Unmute's `kyutai_constants.HEADERS`
@@ -59,9 +62,11 @@ def files(tmp_path_factory):
 def server(files, tmp_path_factory):
     log = tmp_path_factory.mktemp("voice-server-log") / "serve.log"
     mimi, dns = files
+    stt = ensure_demo_stt(tmp_path_factory.mktemp("voice-server-stt"))
     args = [
-        "--max-sessions", "1", "--api-key", "public_token", "--tts", "demo-tts", "--tts-temperature", "0",
-        "--tts-streams", "2", "--voice-mimi", str(mimi), "--voice-denoiser", str(dns),
+        "--moshi-weight", str(stt.lm), "--mimi-weight", str(stt.mimi), "--tokenizer", str(stt.tokenizer),
+        "--config", str(stt.config), "--max-sessions", "1", "--api-key", "public_token", "--tts", "demo-tts",
+        "--tts-temperature", "0", "--tts-streams", "2", "--voice-mimi", str(mimi), "--voice-denoiser", str(dns),
     ]  # fmt: skip
     with running_server(log, *args) as live:
         yield live
@@ -147,6 +152,23 @@ def test_unmute_clones_a_voice_and_speaks_in_it(server, files):
     assert len(default) != len(cloned) or np.abs(default[:n] - cloned[:n]).max() > 1e-3
 
 
+def test_unmutes_three_clients_on_one_duplexd(server):
+    """Unmute's voice cloning, text to speech in the cloned voice and speech to text, at once on the one server
+    (its STT the demo's, a `Step` a frame while the others run)."""
+    audio = wav_bytes(recording(11.0, seed=3), 24_000)
+
+    async def three() -> tuple[requests.Response, list[str]]:
+        cloned = asyncio.to_thread(post_voice, server.url, audio)
+        response, types = await asyncio.gather(cloned, unmute_stt(server, 4.0))
+        return response, types
+
+    response, stt_types = asyncio.run(asyncio.wait_for(three(), 120))
+    response.raise_for_status()
+    assert stt_types[0] == "Ready" and stt_types.count("Step") >= 20  # of 50 frames, while a voice was made
+    said = speak(server.port, response.content)
+    assert len(said) >= 1920 * len(WORDS) and float(np.abs(said).max()) > 0
+
+
 def test_bad_recordings_get_a_clear_refusal(server):
     short = wav_bytes(recording(0.5), 24_000)
     silent = wav_bytes(np.zeros(24_000 * 3, np.float32), 24_000)
@@ -205,10 +227,13 @@ def test_the_event_loop_answers_while_voices_are_made(server):
 
 def test_moshi_servers_other_routes_as_unmute_probes_them(server):
     """Unmute's health check of its voice-cloning server is `GET /api/build_info` (200: up); moshi-server lists its
-    `PyPost` modules nowhere, so `/api/modules_info` shows only the TTS."""
+    `PyPost` modules nowhere, so `/api/modules_info` shows only the STT and the TTS."""
     assert requests.get(f"{server.url}/api/build_info", timeout=2).status_code == 200
     modules = json.loads(requests.get(f"{server.url}/api/modules_info").text)
-    assert [m["type"] for m in modules] == ["py"] and modules[0]["path"] == "/api/tts_streaming"
+    assert [(m["type"], m["path"]) for m in modules] == [
+        ("batched_asr", "/api/asr-streaming"),
+        ("py", "/api/tts_streaming"),
+    ]
 
 
 def test_unmutes_compose_file_points_all_three_at_one_duplexd():
