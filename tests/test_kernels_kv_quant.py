@@ -30,17 +30,19 @@ from duplexd.kernels.kv_quant import (
 HEADS, DIM = 3, 24  # head dim not a power of two: the kernel's masks are exercised
 
 
-def _pool(kv_dtype: str = "int8", layers: int = 1) -> PagedKVCache:
+def _pool(
+    kv_dtype: str = "int8", layers: int = 1, context: int = 12, page_size: int = 5, num_pages: int = 9
+) -> PagedKVCache:
     """Context 12 in pages of 5 frames: a ring of 3 pages (15 positions), so pages straddle the window edge; pages
     handed out shuffled."""
     kv = PagedKVCache(
         num_layers=layers,
         num_heads=HEADS,
         head_dim=DIM,
-        context=12,
+        context=context,
         num_slots=3,
-        num_pages=9,
-        page_size=5,
+        num_pages=num_pages,
+        page_size=page_size,
         kv_dtype=kv_dtype,
     )
     random.Random(0).shuffle(kv._free)

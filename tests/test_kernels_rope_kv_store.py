@@ -60,13 +60,16 @@ def _pages(kv: PagedKVCache) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernel_writes_what_the_unfused_path_writes_through_ring_wraps(dtype, kv_dtype):
-    """Slot 0 far into a conversation, slot 2 from position 0 and two padding rows in the scratch slot, 32 steps
-    (the 15-position ring wraps twice): after every step the three pools and the three q agree (module docs)."""
-    fused, unfused, ref = _pool(kv_dtype), _pool(kv_dtype), _pool(kv_dtype)
+    """Slot 0 far into a conversation, slot 2 from position 0 and two padding rows in the scratch slot, 14 steps
+    (context 5 in pages of 3: the 6-position ring wraps twice, pages straddle the window edge): after every step
+    the three pools and the three q agree (module docs)."""
+    fused, unfused, ref = (_pool(kv_dtype, context=5, page_size=3, num_pages=6) for _ in range(3))
     gen = torch.Generator().manual_seed(7)
     scratch = fused.scratch_slot
     slots = torch.tensor([0, 2, scratch, scratch])
-    for t in range(32):
+    steps = 14
+    assert steps > 2 * fused.max_pages * fused.page_size and 123_456 % (fused.max_pages * fused.page_size) == 0
+    for t in range(steps):
         positions = torch.tensor([123_456 + t, t, 0, 0])
         view = fused.batch(slots, positions)
         cos, sin = rope_angles(positions, DIM, 10_000.0)
@@ -149,8 +152,8 @@ def test_pool_attend_rotary_is_rope_then_attend(kv_dtype):
     for triton in (False, True):
         pools = _pool(kv_dtype, layers=2), _pool(kv_dtype, layers=2)
         rows = torch.tensor([0, 2, pools[0].scratch_slot])
-        steps: list[PagedBatch] = [pools[0].batch(rows, torch.tensor([t + 3, t, 0])) for t in range(8)]
-        prefill = pools[0].batch(torch.tensor([2] * 6), torch.arange(8, 14), runs=((0, 6, 8),))
+        steps: list[PagedBatch] = [pools[0].batch(rows, torch.tensor([t + 3, t, 0])) for t in range(4)]
+        prefill = pools[0].batch(torch.tensor([2] * 6), torch.arange(4, 10), runs=((0, 6, 4),))
         for view in [*steps, prefill]:
             qkv = _qkv(gen, len(view.lengths), torch.float32)
             cos, sin = rope_angles(view.lengths.long() - 1, DIM, 10_000.0)

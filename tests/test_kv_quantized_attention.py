@@ -21,6 +21,9 @@ from duplexd.kernels.testing import poisoned_allocations
 
 CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 CONTEXT, PAGE, HEADS, DIM = 24, 5, 3, 20  # a ring of 5 pages (25 positions) over a 24-frame window
+# `PagedKVCache.attend`'s pool: a ring of 3 pages (9 positions) over a 7-frame window, so a few steps run past the
+# window and around the ring (the decode kernel's one split and one block of keys, as at the larger size on a CPU)
+POOL_CONTEXT, POOL_PAGE, POOL_STEPS = 8, 3, 14
 
 
 def _quantized_pool(seed: int, kv_dtype: str, num_pages: int = 17):
@@ -77,11 +80,11 @@ def _pool(kv_dtype: str) -> PagedKVCache:
         num_layers=2,
         num_heads=HEADS,
         head_dim=DIM,
-        context=CONTEXT,
+        context=POOL_CONTEXT,
         num_slots=2,
-        num_pages=11,
-        page_size=PAGE,
-        window=CONTEXT - 1,
+        num_pages=7,
+        page_size=POOL_PAGE,
+        window=POOL_CONTEXT - 1,
         kv_dtype=kv_dtype,
     )
     for slot in (0, 1):
@@ -92,14 +95,15 @@ def _pool(kv_dtype: str) -> PagedKVCache:
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_pool_attend_writes_and_reads_every_layer_with_its_own_scales(kv_dtype):
-    """Two layers, two sessions 4 frames apart and a padding row, 32 steps (past the window, the ring wrapping):
-    each step's output equals attention over the pool dequantized, on the CPU path and the Triton path; for int8
-    the Triton path writes its own pool, which stays bit for bit the CPU path's. For fp8 the Triton decode reads
-    the pool the CPU path wrote (module docs)."""
+    """Two layers, two sessions 4 frames apart and a padding row, 14 steps (both sessions past the window, both
+    rings wrapping): each step's output equals attention over the pool dequantized, on the CPU path and the Triton
+    path; for int8 the Triton path writes its own pool, which stays bit for bit the CPU path's. For fp8 the Triton
+    decode reads the pool the CPU path wrote (module docs)."""
     cpu, gpu = _pool(kv_dtype), _pool(kv_dtype)
+    assert POOL_STEPS - 1 - 4 >= cpu.max_pages * POOL_PAGE > cpu.window, "the later session's ring wraps too"
     g = torch.Generator().manual_seed(3)
     slots = torch.tensor([0, 1, 2])
-    for t in range(32):
+    for t in range(POOL_STEPS):
         positions = torch.tensor([t, max(t - 4, 0), 0])
         view = cpu.batch(slots, positions)
         q, k, v = (torch.randn(3, HEADS, DIM, generator=g) * s for s in (0.5, 2.0, 1.0))
