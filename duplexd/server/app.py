@@ -24,9 +24,9 @@ from .core.settings import ServerSettings
 from .core.static import WebClient, static_dir
 from .core.version import VERSION
 from .kyutai import chat, stt_refusal
-from .moshi_server import asr, asr_upload, tts, voice
+from .moshi_server import asr, asr_upload, tts
 from .openai_audio import speech, transcriptions
-from .realtime import conversation, transcription
+from .realtime import agent, conversation, transcription
 from .realtime.webrtc import calls
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
             if not warm.done():
                 await asyncio.shield(warm)  # engines cannot stop in the middle of warming up
             await calls.end_calls(app.state.context)
+            if runtime.agents is not None:
+                await runtime.agents.aclose()
             await asyncio.to_thread(runtime.stop)
             await asyncio.to_thread(codec.shutdown)
             unsubscribe()
@@ -92,7 +94,8 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
         app.include_router(asr.router)
         app.include_router(asr_upload.router)
         app.include_router(stt_refusal.router)
-        app.include_router(transcription.router)
+        # with --llm a conversation is a voice agent's (its route serves transcription sessions too)
+        app.include_router(agent.router if runtime.agents is not None else transcription.router)
     else:
         app.include_router(chat.router)
         app.include_router(conversation.router)
@@ -101,6 +104,8 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
         app.include_router(tts.router)
         app.include_router(speech.router)
     if runtime.cloning is not None:  # --voice-mimi: moshi-server's /api/voice
+        from .moshi_server import voice  # the voice maker's scipy.signal (~0.8 s) only in a server that clones
+
         app.include_router(voice.router)
     web = static_dir(settings.static)
     if web is not None:

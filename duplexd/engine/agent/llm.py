@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +136,7 @@ class LLMClient:
         except (ValueError, KeyError, TypeError):
             raise LLMError("protocol", f"{url} did not answer an OpenAI model list: {response.text[:200]!r}") from None
 
-    async def stream(self, request: ChatRequest) -> AsyncIterator[LLMEvent]:
+    async def stream(self, request: ChatRequest) -> AsyncGenerator[LLMEvent, None]:
         """The reply to `request`, event by event (`events.py` gives their order); raises `LLMError` if it fails.
 
         Cancel the task iterating it to stop the reply: the connection closes at once. A consumer that stops

@@ -43,6 +43,7 @@ from duplexd.engine.weights.demo import draw_random_, ensure_demo
 from duplexd.engine.weights.hub import resolve_file
 from duplexd.engine.weights.model_files import DTYPES, TOKENIZER_NAME, ModelFiles, check_tokenizer, model_files
 
+from .agents import Agents, load_agents
 from .cloning import VoiceCloning, load_cloning
 from .persona import PersonaRefused, Personas
 from .settings import RANDOM_WEIGHTS_MIMI, ServerSettings
@@ -148,12 +149,14 @@ class Runtime:
         tokenizer: TextTokenizer | None = None,
         speech: SpeechModel | None = None,
         cloning: VoiceCloning | None = None,
+        agents: Agents | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("no engine to serve with")
         self.engines, self.info, self.transcription = engines, info, transcription
         self.speech = speech  # `--tts`: the text-to-speech model served beside the main one
         self.cloning = cloning  # `--voice-mimi`: voices for it made from recordings
+        self.agents = agents  # `--llm`: voice agents on /v1/realtime, the STT and the TTS around an LLM
         self.tokenizer = tokenizer  # the LM's, for what reads its text ids (words of /api/asr-streaming)
         self.voices = voices  # `--voices`, loaded and encoded once
         self.personas = personas or Personas.off()  # what a session's text and voice prompt turn into
@@ -184,6 +187,8 @@ class Runtime:
             self.speech.service.stop()
         if self.cloning is not None:
             self.cloning.close()
+        if self.agents is not None:
+            self.agents.stop()
 
     def open_session(
         self, params: SamplingParams, max_frames: int | None = None, prompt: PersonaPrompt | None = None
@@ -376,7 +381,8 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         asr_delay_tokens=asr_delay_tokens(settings, files) if lm.cfg.text_only else None,
         pause_heads=lm.cfg.extra_heads_num_heads,
     )
-    return Runtime(engines, info, transcription, voices, personas, tokenizer, speech, cloning)
+    agents = load_agents(settings, lm.cfg.text_only, model_id)
+    return Runtime(engines, info, transcription, voices, personas, tokenizer, speech, cloning, agents)
 
 
 def asr_delay_tokens(settings: ServerSettings, files: ModelFiles) -> int:

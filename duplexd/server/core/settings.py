@@ -49,6 +49,7 @@ _NET, _MODEL, _CAP, _ACCESS = "network", "model (default: the demo model, on the
 _ASR = "transcription of the users' speech (Gemma 4; needs the gemma extra)"
 _TTS = "text to speech (a Kyutai TTS model beside the main one: /api/tts_streaming, /v1/audio/speech)"
 _RTC = "WebRTC calls of the Realtime API (/v1/realtime/calls; needs the webrtc extra)"
+_AGENT = "voice agents (/v1/realtime on a Kyutai STT model with --tts: speech to an LLM, its words to the TTS)"
 _VOICE = "voice cloning (POST /api/voice, as moshi-server's voice module: a voice for the --tts model from a recording)"
 
 
@@ -268,6 +269,16 @@ class ServerSettings(BaseSettings):
     voice_threads: int = opt(
         1, "CPU threads a voice is made with (a voice at a time, as moshi-server; the others wait)", _VOICE, ge=1
     )
+    llm: str | None = opt(
+        None,
+        "an OpenAI-compatible chat-completions API, its root URL with /v1 (vLLM, llama.cpp's server, Ollama, "
+        "OpenAI), or demo: SmolLM2-135M on a llama.cpp server duplexd starts (the agent extra)",
+        _AGENT,
+        metavar="URL",
+    )
+    llm_model: str = opt("default", "the model name the LLM server serves (vLLM and OpenAI need it)", _AGENT)
+    llm_api_key: str | None = opt(None, "the LLM server's API key (sent as a Bearer token)", _AGENT, metavar="KEY")
+    llm_max_tokens: int = opt(400, "the longest reply, in tokens, unless a response asks for fewer", _AGENT, ge=1)
     api_key: str | None = opt(
         None, "require this key (Authorization: Bearer, kyutai-api-key, ?api_key=)", _ACCESS, metavar="KEY"
     )
@@ -386,6 +397,8 @@ class ServerSettings(BaseSettings):
             raise ValueError("--codec-threads and --codec-processes: choose one (processes replace the threads)")
         if bool(self.voice_mimi) != bool(self.voice_denoiser):
             raise ValueError("voice cloning needs both --voice-mimi and --voice-denoiser")
+        if self.llm is not None and self.tts is None:
+            raise ValueError("a voice agent (--llm) speaks through a text-to-speech model: give --tts too")
         if self.voice_mimi and self.tts is None:
             raise ValueError("voice cloning (--voice-mimi) makes voices for a text-to-speech model: give --tts too")
         return self
