@@ -13,16 +13,19 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from duplexd.engine.errors import CheckpointError
 from duplexd.engine.tts.config import TTSConfig
-from duplexd.engine.voice.maker import DENOISER_NAME, VOICE_MIMI_NAME, VoiceMaker, load_voice_maker, voice_mimi_config
 from duplexd.engine.weights.hub import resolve_file
 
 from .settings import ServerSettings
+
+if TYPE_CHECKING:  # the voice maker (and scipy.signal, ~0.8 s) is imported only by a server that clones voices
+    from duplexd.engine.voice.maker import VoiceMaker
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,8 @@ def check_cloning(settings: ServerSettings) -> None:
     hub) and the voice Mimi's header is one duplexd knows; `CheckpointError` naming the option."""
     if not settings.voice_mimi or not settings.voice_denoiser:
         return
+    from duplexd.engine.voice.maker import DENOISER_NAME, VOICE_MIMI_NAME, voice_mimi_config
+
     try:
         voice_mimi_config(resolve_file(settings.voice_mimi, VOICE_MIMI_NAME))
     except CheckpointError as e:
@@ -82,6 +87,8 @@ def load_cloning(settings: ServerSettings, tts: TTSConfig | None) -> VoiceClonin
     `--tts` model takes; `CheckpointError` naming the option at fault."""
     if not settings.voice_mimi or not settings.voice_denoiser or tts is None:
         return None
+    from duplexd.engine.voice.maker import load_voice_maker
+
     maker = load_voice_maker(settings.voice_mimi, settings.voice_denoiser)
     expected = (1, tts.speaker_dim, tts.speaker_frames)
     if maker.shape != expected:
