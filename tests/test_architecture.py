@@ -96,7 +96,7 @@ ENGINE_PARTS: dict[str, set[str]] = {
     "transcription": {"shared", "models", "weights", "wire"},
     "tts": {"shared", "kernels", "kv", "models", "weights"},
     "voice": {"shared", "models", "weights"},
-    "agent": {"shared"},  # the voice agent's LLM: plain data to the cascade, nothing of the speech engines
+    "agent": {"tts", "shared"},  # the voice agent's LLM, and a reply said through a TTS stream (plain data)
 }
 
 

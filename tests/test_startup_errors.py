@@ -236,6 +236,17 @@ CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
         "--tts-n-q 33: demo-tts-v1 says 1 to 32 codebooks",
         {},
     ),
+    "llm without tts": (
+        ["serve", "--llm", "demo"],
+        "a voice agent (--llm) speaks through a text-to-speech model: give --tts too",
+        {},
+    ),
+    "llm on a conversation model": (
+        ["serve", "--llm", "demo", "--tts", "demo-tts"],
+        "--llm demo: a voice agent hears through a Kyutai STT model, and the main model (the demo model) is a "
+        "conversation model",
+        {},
+    ),
     "tts cfg coefficient": (
         ["serve", "--tts", "demo-tts", "--tts-cfg-coef", "2.2"],
         "--tts-cfg-coef 2.2: the model takes 1.0, 1.5",

@@ -20,6 +20,7 @@ from .settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 DEMO = "demo"
+TOOL_CALL_OPENING = "<tool_call>\n"  # the demo's chat template's (engine/agent/data/chatml_tools.jinja)
 DEMO_CONTEXT_PER_SESSION = 2048  # tokens of the demo server's context for each session it serves at once
 
 
@@ -30,6 +31,13 @@ class Agents:
     demo: DemoLLM | None
     model_id: str  # what `/v1/models` and the session object call the agent
 
+    @property
+    def forced_call_prefill(self) -> str | None:
+        """What the assistant's turn must start with for the LLM to honour a forced tool choice: llama.cpp's server
+        (the demo's build) grammar-constrains a call only after its opening tag, and takes `tool_choice` as a
+        string alone; None for other servers, which force the call themselves."""
+        return TOOL_CALL_OPENING if self.demo is not None else None
+
     async def aclose(self) -> None:
         await self.client.aclose()
 
@@ -38,17 +46,21 @@ class Agents:
             self.demo.stop()
 
 
+def not_an_stt_model(llm: str, model: str) -> InputRefused:
+    return InputRefused(
+        f"{llm}: a voice agent hears through a Kyutai STT model, and the main model ({model}) is a conversation "
+        "model: serve an STT model (--hf-repo kyutai/stt-1b-en_fr) with --tts and --llm",
+        "llm",
+    )
+
+
 def load_agents(settings: ServerSettings, speech_to_text: bool, model_id: str) -> Agents | None:
     """The agents' LLM of `--llm` (None without it); `InputRefused` (option `llm`) for a main model that cannot
     hear for an agent, or a demo server that cannot run here."""
     if settings.llm is None:
         return None
     if not speech_to_text:
-        raise InputRefused(
-            f"a voice agent hears through a Kyutai STT model, and the main model {model_id} is a conversation model: "
-            "serve an STT model (--hf-repo kyutai/stt-1b-en_fr) with --tts and --llm",
-            "llm",
-        )
+        raise not_an_stt_model(settings.llm, model_id)
     demo = None
     base_url = settings.llm
     if settings.llm == DEMO:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from duplexd.engine.agent.demo_llm import check_demo_llm
 from duplexd.engine.devices import check_devices, check_kv_dtype
 from duplexd.engine.errors import CheckpointError, InputRefused
 from duplexd.engine.models.config import ConfigError, LMConfig
@@ -26,6 +27,8 @@ from duplexd.engine.tts.model import read_config
 from duplexd.engine.weights.hub import hub_repo
 from duplexd.engine.weights.model_files import check_model_files
 
+from .agents import DEMO as DEMO_LLM
+from .agents import not_an_stt_model
 from .cloning import check_cloning
 from .runtime import resolve_files
 from .settings import ServerSettings, SettingsError
@@ -168,6 +171,14 @@ def check_voices_model(settings: ServerSettings, cfg: LMConfig | None) -> None:
     )
 
 
+def check_agents_model(settings: ServerSettings, cfg: LMConfig | None) -> None:
+    """Voice agents hear through a Kyutai STT main model (`cfg` None: random weights, a preset's)."""
+    if settings.llm is None or (cfg is not None and cfg.text_only):
+        return
+    model = "the demo model" if settings.demo else (settings.random_weights or "the LM")
+    raise not_an_stt_model(settings.llm, model)
+
+
 def bind(settings: ServerSettings) -> socket.socket:
     """The server's socket, bound (not yet listening) to host and port."""
     host, port = settings.host, settings.port
@@ -210,6 +221,8 @@ def preflight(settings: ServerSettings) -> socket.socket:
             check_devices([settings.tts_device], "tts_device")
         check_tts(settings)
         check_cloning(settings)
+        if settings.llm == DEMO_LLM:
+            check_demo_llm()
     except InputRefused as e:
         raise refused(settings, e) from None
     check_tls(settings)
@@ -221,6 +234,7 @@ def preflight(settings: ServerSettings) -> socket.socket:
         if cfg is not None and cfg.speaks_text:
             raise CheckpointError("the model is a text-to-speech model (Kyutai TTS): duplexd does not serve those yet")
         check_voices_model(settings, cfg)
+        check_agents_model(settings, cfg)
     except BaseException as e:
         sock.close()
         if isinstance(e, InputRefused):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -325,8 +326,16 @@ class AgentAdapter(TranscriptionAdapter):
         tools = params.tools if params.tools is not None else self.tools
         tool_choice = params.tool_choice if params.tool_choice is not None else self.tool_choice
         limit = params.max_output_tokens if params.max_output_tokens is not None else self.max_output_tokens
+        messages = self.messages(params, event_id)
+        forced = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, dict))
+        prefill = self.agents.forced_call_prefill
+        if forced and prefill is not None:  # the demo's llama.cpp: one tool offered is the one called
+            if isinstance(tool_choice, dict):
+                tools = [tool for tool in tools if tool.name == tool_choice.get("name")] or tools
+            tool_choice = "required"
+            messages.append({"role": "assistant", "content": prefill})
         request = ChatRequest(
-            self.messages(params, event_id),
+            messages,
             tools=[tool.chat_tool() for tool in tools] if tool_choice != "none" else [],
             tool_choice=_chat_tool_choice(tool_choice) if tools else None,
             max_tokens=aev.max_tokens(limit),
@@ -514,7 +523,9 @@ class AgentAdapter(TranscriptionAdapter):
     async def end_call(self, r: Running, call: ToolCallEnd) -> None:
         item_id, call_id, name = r.calls[call.index]
         index = self.output_index(r, item_id)
-        item = aev.function_call_item(item_id, call_id, name, call.arguments, "completed")
+        # arguments cut short (the reply ran out of tokens) are no call to make: the item says so
+        status = "completed" if _is_json(call.arguments) else "incomplete"
+        item = aev.function_call_item(item_id, call_id, name, call.arguments, status)
         if r.conversation:
             self.conversation[item_id] = item
         r.output.append(item)
@@ -552,6 +563,14 @@ class AgentAdapter(TranscriptionAdapter):
             self.task.cancel()
             with contextlib.suppress(BaseException):
                 await self.task
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _chat_tool_choice(choice: aev.ToolChoice) -> str | dict[str, Any]:

@@ -1,0 +1,315 @@
+"""A voice agent on `/v1/realtime` (`duplexd serve` with an STT main model, `--tts demo-tts` and `--llm demo`: a real
+llama.cpp server with SmolLM2-135M), driven by the official `openai` SDK's realtime client, unchanged. Every event
+the server sends is validated against the SDK's own GA types (`RealtimeServerEvent`), strictly.
+
+What a 135M model guarantees is asserted, not what it chooses: a reply in words, said by the TTS and paced at real
+time, each word's transcript delta once; a forced tool call of the one tool offered, its arguments valid against the
+tool's schema; the tool's output answered. The STT is the demo STT with its text head leaning to words
+(`test_asr_e2e.words_model`), so espeak's speech makes a turn that its pause heads end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+from openai import AsyncOpenAI
+from openai.types.realtime import RealtimeServerEvent
+from pydantic import TypeAdapter
+
+from duplexd import wire
+
+from .live_server import running_server
+from .speech import needs_espeak, speak
+from .test_asr_e2e import words_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SERVER_EVENTS: TypeAdapter[RealtimeServerEvent] = TypeAdapter(RealtimeServerEvent)
+VOLUME = {
+    "type": "function",
+    "name": "set_volume",
+    "description": "Set the speaker volume.",
+    "parameters": {
+        "type": "object",
+        "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 10}, "mode": {"enum": ["quiet", "loud"]}},
+        "required": ["level", "mode"],
+    },
+}
+SHORT = {"type": "realtime", "max_output_tokens": 6, "audio": {"input": {"turn_detection": None}}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    stt = words_model(tmp_path_factory.mktemp("agent-stt"))
+    log = tmp_path_factory.mktemp("agent-server") / "serve.log"
+    args = ["--hf-repo", str(stt.root), "--tts", "demo-tts", "--tts-temperature", "0", "--llm", "demo"]
+    with running_server(log, *args) as live:
+        yield live
+    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
+
+
+@dataclass
+class Seen:
+    events: list[dict] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+    def types(self, without_deltas: bool = False) -> list[str]:
+        return [e["type"] for e in self.events if not (without_deltas and e["type"].endswith(".delta"))]
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+
+async def until(conn, seen: Seen, kind: str, timeout: float = 60) -> dict:
+    """Read events (each validated against OpenAI's types) until one of `kind`; an `error` fails the test."""
+    deadline = time.monotonic() + timeout
+    while True:
+        raw = await asyncio.wait_for(conn.recv_bytes(), deadline - time.monotonic())
+        SERVER_EVENTS.validate_json(raw, strict=True)
+        event = json.loads(raw)
+        seen.events.append(event)
+        seen.times.append(time.monotonic())
+        assert event["type"] != "error", event
+        if event["type"] == kind:
+            return event
+
+
+def connect(live):
+    return AsyncOpenAI(base_url=f"{live.url}/v1", api_key="sk-unused").realtime.connect(model="gpt-realtime")
+
+
+def run(coro, timeout: float = 180):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def finished(response: dict) -> bool:
+    """Said to its end: completed, or cut at `max_output_tokens` as OpenAI says it."""
+    details = response["status_details"]
+    return response["status"] == "completed" or (
+        response["status"] == "incomplete" and details["reason"] == "max_output_tokens"
+    )
+
+
+def completed_calls(response: dict) -> list[dict]:
+    """The response's function calls whose arguments are whole (one cut by the token limit is `incomplete`)."""
+    return [o for o in response["output"] if o["type"] == "function_call" and o["status"] == "completed"]
+
+
+def audio_b64(pcm: np.ndarray) -> str:
+    return base64.b64encode(wire.pcm16(pcm)).decode()
+
+
+def test_a_typed_turn_is_answered_in_speech_in_openais_order(server):
+    async def turn() -> Seen:
+        seen = Seen()
+        async with connect(server) as conn:
+            await until(conn, seen, "session.created")
+            await conn.session.update(session=SHORT)
+            await until(conn, seen, "session.updated")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            await until(conn, seen, "response.done")
+        return seen
+
+    seen = run(turn())
+    lifecycle = [t for t in seen.types(without_deltas=True) if t.startswith(("response.", "conversation."))]
+    assert lifecycle == [
+        "conversation.item.added", "conversation.item.done",  # the user's text item
+        "response.created", "response.output_item.added", "conversation.item.added", "response.content_part.added",
+        "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
+        "response.output_item.done", "conversation.item.done", "response.done",
+    ]  # fmt: skip
+    done = seen.of("response.done")[0]["response"]
+    assert finished(done) and done["usage"]["output_tokens"] > 0
+    (message,) = done["output"]
+    words = "".join(e["delta"] for e in seen.of("response.output_audio_transcript.delta"))
+    assert (
+        message["content"][0]["transcript"]
+        == words
+        == seen.of("response.output_audio_transcript.done")[0]["transcript"]
+    )
+    assert len(words.split()) >= 2 and any(c.isalpha() for c in words)  # the LLM's own words, said
+    audio = [i for i, e in enumerate(seen.events) if e["type"] == "response.output_audio.delta"]
+    samples = sum(len(base64.b64decode(seen.events[i]["delta"])) // 2 for i in audio)
+    assert samples == len(audio) * 1920 and len(audio) >= len(words.split())
+    span = seen.times[audio[-1]] - seen.times[audio[0]]
+    assert span >= (len(audio) - 1) * 0.08 - 0.32 - 0.1, "paced at real time, at most 320 ms ahead"
+
+
+@needs_espeak
+def test_a_spoken_turn_is_heard_and_answered(server, tmp_path):
+    """server_vad on the STT's pause heads: speech, then silence, ends the turn; the response answers the user's
+    transcript (the conversation holds it). Not interrupted: the STT's words in the silence after are not a
+    barge-in here."""
+    pcm = speak("Please call me back tomorrow morning.", tmp_path)
+    audio = np.concatenate([np.zeros(4800, np.float32), pcm, np.zeros(24000 * 4, np.float32)])
+    detection = {"type": "server_vad", "interrupt_response": False}
+
+    async def turn() -> tuple[Seen, dict]:
+        seen = Seen()
+        async with connect(server) as conn:
+            await until(conn, seen, "session.created")
+            await conn.session.update(session={**SHORT, "audio": {"input": {"turn_detection": detection}}})
+            await until(conn, seen, "session.updated")
+
+            async def talk() -> None:
+                for i in range(0, len(audio), 1920):
+                    await conn.input_audio_buffer.append(audio=audio_b64(audio[i : i + 1920]))
+                    await asyncio.sleep(0.08)
+
+            talking = asyncio.create_task(talk())
+            await until(conn, seen, "response.done")
+            talking.cancel()
+            user = seen.of("conversation.item.input_audio_transcription.completed")[0]
+            await conn.conversation.item.retrieve(item_id=user["item_id"])
+            retrieved = await until(conn, seen, "conversation.item.retrieved")
+        return seen, retrieved
+
+    seen, retrieved = run(turn())
+    order = seen.types(without_deltas=True)
+    assert order.index("input_audio_buffer.speech_started") < order.index("input_audio_buffer.committed")
+    assert order.index("conversation.item.input_audio_transcription.completed") < order.index("response.created")
+    assert retrieved["item"]["role"] == "user" and retrieved["item"]["content"][0]["transcript"]
+    assert finished(seen.of("response.done")[0]["response"])
+
+
+@needs_espeak
+def test_barge_in_cancels_the_response_and_keeps_what_was_heard(server, tmp_path):
+    pcm = speak("Stop, wait a moment.", tmp_path)
+    detection = {"type": "server_vad", "create_response": False, "interrupt_response": True}
+
+    async def interrupted() -> tuple[Seen, dict]:
+        seen = Seen()
+        async with connect(server) as conn:
+            await until(conn, seen, "session.created")
+            session = {**SHORT, "max_output_tokens": 40, "audio": {"input": {"turn_detection": detection}}}
+            await conn.session.update(session=session)
+            await until(conn, seen, "session.updated")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            await until(conn, seen, "response.output_audio.delta")
+
+            async def talk() -> None:
+                for i in range(0, len(pcm), 1920):
+                    await conn.input_audio_buffer.append(audio=audio_b64(pcm[i : i + 1920]))
+                    await asyncio.sleep(0.08)
+
+            talking = asyncio.create_task(talk())
+            done = await until(conn, seen, "response.done")
+            talking.cancel()
+            message = done["response"]["output"][0]
+            await conn.conversation.item.retrieve(item_id=message["id"])
+            retrieved = await until(conn, seen, "conversation.item.retrieved")
+        return seen, retrieved
+
+    seen, retrieved = run(interrupted())
+    done = seen.of("response.done")[0]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "turn_detected"
+    types = seen.types()
+    started = types.index("input_audio_buffer.speech_started")
+    assert types[started:].count("response.output_audio.delta") == 0, "no audio after the user cut in"
+    released = "".join(e["delta"] for e in seen.of("response.output_audio_transcript.delta"))
+    heard = retrieved["item"]["content"][0]["transcript"]
+    assert released.startswith(heard) and retrieved["item"]["status"] == "incomplete"
+
+
+def test_a_tool_call_then_its_output_is_answered(server):
+    async def call() -> Seen:
+        seen = Seen()
+        async with connect(server) as conn:
+            await until(conn, seen, "session.created")
+            await conn.session.update(session={**SHORT, "tools": [VOLUME], "max_output_tokens": 128})
+            await until(conn, seen, "session.updated")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Quieter please."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create(response={"tool_choice": "required"})
+            done = await until(conn, seen, "response.done")
+            calls = [
+                o for o in done["response"]["output"] if o["type"] == "function_call" and o["status"] == "completed"
+            ]
+            assert calls, done
+            output = {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": '{"ok": true}'}
+            await conn.conversation.item.create(item=output)
+            await conn.response.create(response={"tool_choice": "none", "max_output_tokens": 6})
+            await until(conn, seen, "response.done")
+        return seen
+
+    seen = run(call())
+    first, second = seen.of("response.done")
+    calls = completed_calls(first["response"])
+    for call_item in calls:
+        assert call_item["name"] == "set_volume" and call_item["status"] == "completed"
+        jsonschema.validate(json.loads(call_item["arguments"]), VOLUME["parameters"])
+    call_id = calls[0]["call_id"]
+    events = [e for e in seen.events if e.get("call_id") == call_id or e.get("item", {}).get("call_id") == call_id]
+    assert [e["type"] for e in events if not e["type"].endswith(".delta")] == [
+        "response.output_item.added", "conversation.item.added", "response.function_call_arguments.done",
+        "conversation.item.done", "response.output_item.done",
+        "conversation.item.added", "conversation.item.done",  # the client's function_call_output
+    ]  # fmt: skip
+    deltas = "".join(e["delta"] for e in seen.of("response.function_call_arguments.delta") if e["call_id"] == call_id)
+    assert deltas == calls[0]["arguments"]
+    assert finished(second["response"]) and second["response"]["output"][0]["type"] == "message"
+
+
+def test_client_mistakes_are_non_fatal_errors(server):
+    """Each is an `error` the client can read, and the session goes on to answer."""
+
+    async def mistakes() -> list[dict]:
+        errors = []
+        async with connect(server) as conn:
+            await conn.session.update(session=SHORT)
+            await conn.response.cancel()
+            output = {"type": "function_call_output", "call_id": "call_nobody", "output": "{}"}
+            await conn.conversation.item.create(item=output)
+            await conn.conversation.item.retrieve(item_id="item_nobody")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            await conn.response.create()  # one at a time
+            async for event in conn:
+                if event.type == "error":
+                    errors.append(event.error.model_dump())
+                if event.type == "response.done":
+                    assert finished(event.response.model_dump())
+                    return errors
+        return errors
+
+    codes = [e["code"] for e in run(mistakes())]
+    assert codes == ["response_cancel_not_active", "invalid_value", "item_not_found",
+                     "conversation_already_has_active_response"]  # fmt: skip
+
+
+def test_an_llm_that_cannot_be_reached_fails_the_response_not_the_session(tmp_path_factory):
+    stt = words_model(tmp_path_factory.mktemp("agent-dead-stt"))
+    log = Path(tmp_path_factory.mktemp("agent-dead")) / "serve.log"
+    args = ["--hf-repo", str(stt.root), "--tts", "demo-tts", "--llm", "http://127.0.0.1:9/v1"]
+
+    async def ask(live) -> list[dict]:
+        seen = Seen()
+        async with connect(live) as conn:
+            await until(conn, seen, "session.created")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            first = await until(conn, seen, "response.done")
+            await conn.session.update(session=SHORT)
+            await until(conn, seen, "session.updated")
+        return [first]
+
+    with running_server(log, *args) as live:
+        (done,) = run(ask(live))
+    response = done["response"]
+    assert response["status"] == "failed" and response["output"] == []
+    assert "127.0.0.1:9" in response["status_details"]["error"]["message"]
+    assert "Traceback" not in log.read_text()
