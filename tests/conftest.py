@@ -13,8 +13,9 @@ from . import parallel, system_tools  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-# Session fixtures shared by several modules (one server with a TTS model for both of its protocols' tests).
-pytest_plugins = ["tests.tts_server"]
+# Session fixtures shared by several modules (one server with a TTS model for both of its protocols' tests; one
+# demo server without extras for the tests that only ask it a question).
+pytest_plugins = ["tests.live_server", "tests.tts_server"]
 
 
 def pytest_configure(config):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
+import pytest
 
 
 def children(pid: int) -> list[int]:
@@ -91,3 +92,32 @@ def running_side_by_side(*servers: contextlib.AbstractContextManager[LiveServer]
         yield lives
     for live in lives:
         assert "Traceback" not in live.log.read_text(), live.log.read_text()[-5000:]
+
+
+@pytest.fixture(scope="session")
+def _shared_demo_server(tmp_path_factory) -> Iterator[LiveServer]:
+    """`duplexd serve --max-sessions 1` on the demo model (no transcriber, TTS, voices or persona), started once per
+    worker process (a session fixture is per xdist worker) for the modules that only ask a server without those
+    something a fresh and a used server answer alike; checked like a module's own at the end of the run."""
+    from duplexd.engine.weights.demo import ensure_demo
+
+    cache = tmp_path_factory.getbasetemp() / "duplexd-cache"  # the one conftest points every test at
+    ensure_demo(cache)  # written before the server looks, so no test writing it at the same time races it
+    log = tmp_path_factory.mktemp("demo-server") / "serve.log"
+    with running_server(log, "--max-sessions", "1", env={"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}) as live:
+        yield live
+    assert live.proc.returncode == 0, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
+
+
+@pytest.fixture
+def demo_server(_shared_demo_server: LiveServer) -> LiveServer:
+    """The shared demo server once its one slot is free again (an earlier test's session given back)."""
+    deadline = time.monotonic() + 15
+    while True:
+        metrics = httpx2.get(f"{_shared_demo_server.url}/metrics", timeout=5).text
+        active = [line for line in metrics.splitlines() if line.startswith("duplexd_sessions_active ")]
+        if active and float(active[0].split()[1]) == 0:
+            return _shared_demo_server
+        assert time.monotonic() < deadline, f"the shared demo server's slot is still taken: {active}"
+        time.sleep(0.05)

@@ -19,7 +19,6 @@ import time
 import types
 from argparse import Namespace
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2
@@ -57,7 +56,7 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(cache, servers):
+def hf(cache, server):
     """The reference on the very folder `--transcribe demo` loaded."""
     return load_reference(ensure_gemma4_demo(cache))
 
@@ -82,30 +81,20 @@ def _serve(log: Path, cache: Path, *args: str) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, cache) -> Iterator[tuple[LiveServer, LiveServer]]:
-    """One server with the demo transcriber (two sessions, one transcription stream: the second session to ask
-    finds none free) and one without, started side by side."""
-    ensure_demo(cache)  # both models written before either server looks for them
+def server(tmp_path_factory, cache) -> Iterator[LiveServer]:
+    """The server with the demo transcriber (two sessions, one transcription stream: the second session to ask
+    finds none free)."""
+    ensure_demo(cache)  # both models written before the server looks for them
     ensure_gemma4_demo(cache)
-    logs = tmp_path_factory.mktemp("servers")
     asr = ("--transcribe", "demo", "--transcribe-max-tokens", str(MAX_NEW), "--transcribe-streams", "1")
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
-        started = [
-            pool.submit(stack.enter_context, _serve(logs / "asr.log", cache, *asr, "--max-sessions", "2")),
-            pool.submit(stack.enter_context, _serve(logs / "plain.log", cache, "--max-sessions", "1")),
-        ]
-        yield started[0].result(), started[1].result()
+    with _serve(tmp_path_factory.mktemp("servers") / "asr.log", cache, *asr, "--max-sessions", "2") as live:
+        yield live
 
 
-@pytest.fixture(scope="module")
-def server(servers) -> LiveServer:
-    return servers[0]
-
-
-@pytest.fixture(scope="module")
-def plain(servers) -> LiveServer:
-    """A server without a transcriber."""
-    return servers[1]
+@pytest.fixture
+def plain(demo_server) -> LiveServer:
+    """A server without a transcriber: the run's shared demo server (tests/live_server.py), its slot free."""
+    return demo_server
 
 
 def ws_url(live: LiveServer, query: str) -> str:

@@ -69,30 +69,19 @@ def folder(cache):
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, cache, folder):
-    """Two servers, started side by side: one transcribing (as the reference: `max_new` tokens), one without a
-    transcriber."""
+def transcribing(tmp_path_factory, cache, folder):
+    """The server transcribing (as the reference: `max_new` tokens); its log without a traceback at the end."""
     logs = tmp_path_factory.mktemp("realtime-transcription")
     env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    with running_side_by_side(
-        running_server(
-            logs / "transcribe.log",
-            *("--max-sessions", "2", "--transcribe", "demo", "--transcribe-max-tokens", str(MAX_NEW)),
-            env=env,
-        ),
-        running_server(logs / "plain.log", "--max-sessions", "1", env=env),
-    ) as lives:
-        yield lives
+    args = ("--max-sessions", "2", "--transcribe", "demo", "--transcribe-max-tokens", str(MAX_NEW))
+    with running_side_by_side(running_server(logs / "transcribe.log", *args, env=env)) as (live,):
+        yield live
 
 
-@pytest.fixture(scope="module")
-def transcribing(servers):
-    return servers[0]
-
-
-@pytest.fixture(scope="module")
-def plain(servers):
-    return servers[1]
+@pytest.fixture
+def plain(demo_server):
+    """A server without a transcriber: the run's shared demo server (tests/live_server.py), its slot free."""
+    return demo_server
 
 
 @pytest.fixture(scope="module")

@@ -430,17 +430,15 @@ def _started(*servers: contextlib.AbstractContextManager) -> Iterator[list]:
         yield live
 
 
-def test_a_persona_needs_voices_and_a_personaplex_model(files, tmp_path_factory):
+def test_a_persona_needs_voices_and_a_personaplex_model(files, tmp_path_factory, demo_server):
     """PersonaPlex without --voices runs sessions without a persona and refuses one; a model that is not
-    PersonaPlex (the demo) refuses one too, and Realtime's instructions stay ignored there, as before."""
+    PersonaPlex (the demo: the run's shared demo server, tests/live_server.py) refuses one too, and Realtime's
+    instructions stay ignored there, as before."""
     flags, _, _ = files
     env = _env(tmp_path_factory)
     plain_log = tmp_path_factory.mktemp("pp_no_voices") / "serve.log"
-    demo_log = tmp_path_factory.mktemp("demo") / "serve.log"
-    with _started(
-        running_server(plain_log, *flags, "--max-sessions", "1", env=env),
-        running_server(demo_log, "--max-sessions", "1", env=env),
-    ) as (plain, demo):
+    demo = demo_server
+    with _started(running_server(plain_log, *flags, "--max-sessions", "1", env=env)) as (plain,):
 
         async def scenario() -> tuple[Refused, Refused, Refused, dict, dict]:
             no_voices = await _refusal(_options(plain, text_prompt=ROLE))

@@ -322,14 +322,14 @@ def test_bad_uploads_are_refused_and_nothing_else_is_harmed(server, speech):
     assert re.search(r'^duplexd_file_transcriptions_total\{outcome="completed"\} [1-9]', metrics, re.M)
 
 
-def test_a_server_without_a_transcriber_says_so(tmp_path, cache):
-    with running_server(tmp_path / "serve.log", "--max-sessions", "1", env={"DUPLEXD_CACHE": str(cache)}) as live:
-        r = httpx2.post(
-            f"{live.url}/v1/audio/transcriptions",
-            files={"file": ("a.wav", wav_bytes(np.zeros(VAD_RATE, np.float32), VAD_RATE))},
-            timeout=30,
-        )
-        models = httpx2.get(f"{live.url}/v1/models", timeout=10).json()["data"]
+def test_a_server_without_a_transcriber_says_so(demo_server):
+    """The run's shared demo server (tests/live_server.py): no `--transcribe`."""
+    r = httpx2.post(
+        f"{demo_server.url}/v1/audio/transcriptions",
+        files={"file": ("a.wav", wav_bytes(np.zeros(VAD_RATE, np.float32), VAD_RATE))},
+        timeout=30,
+    )
+    models = httpx2.get(f"{demo_server.url}/v1/models", timeout=10).json()["data"]
     assert r.status_code == 404, r.text
     error = r.json()["error"]
     assert error["code"] == "transcription_not_enabled" and "--transcribe" in error["message"]
