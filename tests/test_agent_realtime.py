@@ -291,9 +291,8 @@ def test_client_mistakes_are_non_fatal_errors(server):
 
 
 def test_an_llm_that_cannot_be_reached_fails_the_response_not_the_session(tmp_path_factory):
-    stt = words_model(tmp_path_factory.mktemp("agent-dead-stt"))
     log = Path(tmp_path_factory.mktemp("agent-dead")) / "serve.log"
-    args = ["--hf-repo", str(stt.root), "--tts", "demo-tts", "--llm", "http://127.0.0.1:9/v1"]
+    args = ["--hf-repo", "demo-stt", "--tts", "demo-tts", "--llm", "http://127.0.0.1:9/v1"]  # the demo STT as is
 
     async def ask(live) -> list[dict]:
         seen = Seen()
@@ -313,3 +312,14 @@ def test_an_llm_that_cannot_be_reached_fails_the_response_not_the_session(tmp_pa
     assert response["status"] == "failed" and response["output"] == []
     assert "127.0.0.1:9" in response["status_details"]["error"]["message"]
     assert "Traceback" not in log.read_text()
+
+
+def test_the_models_list_says_what_the_agent_is_made_of(server):
+    import httpx2
+
+    models = httpx2.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    (agent,) = [m for m in models if m.get("task") == "voice-agent"]
+    stt, tts = models[0], next(m for m in models if m.get("task") == "text-to-speech")
+    assert agent["hears_with"] == stt["id"] and agent["speaks_with"] == tts["id"]
+    assert agent["llm"]["demo"] is True and agent["llm"]["url"].startswith("http://127.0.0.1:")
+    assert agent["endpoints"] == ["/v1/realtime"] and agent["voices"] == tts["voices"]

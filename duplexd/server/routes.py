@@ -134,6 +134,22 @@ def models(request: Request, ctx: Context) -> dict:
                 "endpoints": [TTS_PATH, "/v1/audio/speech"],
             }
         )
+    agents = ctx.runtime.agents
+    if agents is not None and speech is not None:
+        models.append(
+            {
+                "id": agents.model_id,
+                "object": "model",
+                "created": info.created,
+                "owned_by": "duplexd",
+                "task": "voice-agent",
+                "llm": {"url": agents.config.base_url, "model": agents.config.model, "demo": agents.demo is not None},
+                "hears_with": info.id,
+                "speaks_with": speech.id,
+                "voices": sorted(speech.voices),
+                "endpoints": ["/v1/realtime"],
+            }
+        )
     return {"object": "list", "data": models}
 
 

@@ -28,7 +28,7 @@ from .checkpoint import (
     mimi_preset_of,
     repo_config,
 )
-from .demo import ensure_demo
+from .demo import ensure_demo, ensure_demo_stt
 from .hub import hub_repo, resolve_file
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ def model_files(
     """Where the weights come from: explicit files, a Hugging Face repo (or a local folder holding one) for those
     not given, or (neither) the demo model. The files not given are those the repo's config.json names. The Mimi
     preset, when not given: `_mimi_preset`."""
+    if hf_repo == "demo-stt":  # the demo speech-to-text model, written into the cache
+        stt = ensure_demo_stt()
+        return ModelFiles(str(stt.lm), str(stt.mimi), str(stt.tokenizer), str(stt.config), stt.mimi_preset, hf_repo)
     if hf_repo:
         folder = Path(hf_repo).expanduser()
         local = folder.is_dir()

@@ -69,7 +69,7 @@ class ServerSettings(BaseSettings):
     hf_repo: str | None = opt(
         None,
         "take every file not given from this Hugging Face repo (or a local folder holding one), those its "
-        "config.json names",
+        "config.json names; demo-stt: the tiny random Kyutai STT (no download)",
         _MODEL,
         metavar="ORG/REPO",
     )
