@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bitsandbytes import functional as bnbF
 from safetensors.torch import load_file, save_file
 
 from duplexd.engine.dialogue.lm_gen import LMGen
@@ -47,6 +46,8 @@ def files(models, tmp_path_factory):
 
 
 def test_the_quantizer_is_bitsandbytes_and_within_half_a_step():
+    from bitsandbytes import functional as bnbF  # here, not at collection: its import takes ~1.2 s (torch's inductor)
+
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(37, 53, generator=gen) * torch.logspace(-3, 2, 37)[:, None]  # rows of very different ranges
     w[3, 7] = 40.0  # an outlier sets its row's scale
