@@ -1,0 +1,232 @@
+"""Voice agents on the CPU: N agents in one duplexd against the same N agents as one process each.
+
+Usage: python bench/agent_turns.py [--agents 4] [--turns 2] [--max-tokens 12]
+duplexd: one `duplexd serve` with the demo STT (its text head leaning to words, as the tests' `words_model`), the
+demo TTS and `--llm demo` (SmolLM2-135M on llama.cpp), N agent sessions at once over real sockets. Reference: the
+model-copy-per-session design of the open cascades (Hugging Face's speech-to-speech `--num_pipelines`, one copy of
+every model per conversation): N processes of the same server, each with its own models and LLM, one agent each.
+Each agent says `--turns` espeak-ng sentences at real-time pace, each ended by a commit and a `response.create`
+(turn detection off, so both sides end turns alike), and listens to the reply, the client playing from its first
+audio frame. Per turn: commit → `response.created`, commit → first transcript word (the LLM's first word said by
+the TTS), commit → first audio; late audio frames (frame i after first audio + i x 80 ms); after the last turn, a
+`response.cancel` sent at the reply's first audio → its last audio frame (the cut). Per side: the RSS of every
+process (servers and LLM servers) at the end, and their CPU seconds over the run, per agent. The last line (JSON)
+holds the medians, p99s and the memory ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from websockets.asyncio.client import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.host_overhead import free_port  # noqa: E402
+from bench.processes import descendants, ending_children, stop, wait_ready  # noqa: E402
+
+RATE, FRAME, FRAME_S = 24000, 1920, 0.08
+SENTENCES = ["What is the weather like today?", "Please tell me a short joke.", "How far away is the moon?"]
+
+
+@dataclass
+class Turns:
+    detected_ms: list[float] = field(default_factory=list)  # commit → response.created
+    first_word_ms: list[float] = field(default_factory=list)  # commit → first transcript delta
+    first_audio_ms: list[float] = field(default_factory=list)  # commit → first audio delta
+    cut_ms: list[float] = field(default_factory=list)  # response.cancel → last audio delta
+    frames: int = 0
+    late: int = 0
+    failed: int = 0
+
+
+def speech(text: str, tmp: Path) -> np.ndarray:
+    """espeak-ng's sentence at 24 kHz, pcm16 bytes padded with 0.3 s of silence each side."""
+    import soundfile as sf
+    import soxr
+
+    path = tmp / "s.wav"
+    subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
+    pcm, rate = sf.read(path, dtype="float32")
+    pcm = soxr.resample(pcm, rate, RATE).astype(np.float32)
+    pad = np.zeros(int(0.3 * RATE), np.float32)
+    return np.concatenate([pad, pcm, pad])
+
+
+def pcm16(pcm: np.ndarray) -> bytes:
+    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+async def agent(port: int, audio: list[np.ndarray], max_tokens: int, turns: Turns, cut: bool) -> None:
+    async with connect(f"ws://127.0.0.1:{port}/v1/realtime", max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        session = {"type": "realtime", "max_output_tokens": max_tokens, "audio": {"input": {"turn_detection": None}}}
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        for k, pcm in enumerate([*audio, audio[0]] if cut else audio):  # one more turn, cut at its first audio
+            for i in range(0, len(pcm), FRAME):  # the user speaks at real-time pace
+                chunk = base64.b64encode(pcm16(pcm[i : i + FRAME])).decode()
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+                await asyncio.sleep(FRAME_S)
+            committed = time.monotonic()
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            await ws.send(json.dumps({"type": "response.create"}))
+            cutting = cut and k == len(audio)
+            first_audio: float | None = None
+            cancelled_at: float | None = None
+            last_audio = frames = 0.0
+            first_word = False
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                now = time.monotonic()
+                kind = event["type"]
+                if kind == "response.created" and not cutting:
+                    turns.detected_ms.append(1000 * (now - committed))
+                elif kind == "response.output_audio_transcript.delta" and not cutting and not first_word:
+                    first_word = True
+                    turns.first_word_ms.append(1000 * (now - committed))
+                elif kind == "response.output_audio.delta":
+                    last_audio = now
+                    if first_audio is None:
+                        first_audio = now
+                        if not cutting:
+                            turns.first_audio_ms.append(1000 * (now - committed))
+                        else:
+                            cancelled_at = time.monotonic()
+                            await ws.send(json.dumps({"type": "response.cancel"}))
+                    elif now > first_audio + frames * FRAME_S + FRAME_S:  # a frame's grace: the client's jitter
+                        turns.late += 1
+                    frames += 1
+                elif kind == "response.done":
+                    turns.frames += int(frames)
+                    if event["response"]["status"] == "failed":
+                        turns.failed += 1
+                    if cancelled_at is not None:
+                        turns.cut_ms.append(max(0.0, 1000 * (last_audio - cancelled_at)))
+                    break
+
+
+def tree_memory_cpu(pid: int) -> tuple[int, float]:
+    """RSS bytes and CPU seconds (user + system) of `pid` and every process below it, now."""
+    rss, cpu = 0, 0.0
+    ticks = 100.0  # os.sysconf("SC_CLK_TCK") on Linux
+    for p in [pid, *descendants(pid)]:
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        rss += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu += (int(fields[11]) + int(fields[12])) / ticks
+    return rss, cpu
+
+
+def start(port: int, sessions: int, stt_root: Path, log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "duplexd", "serve", "--port", str(port), "--hf-repo", str(stt_root),
+        "--tts", "demo-tts", "--tts-temperature", "0", "--tts-streams", str(sessions), "--llm", "demo",
+        "--max-sessions", str(sessions), "--static", "none", "--log-level", "warning",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+async def run_side(ports: list[int], args: argparse.Namespace, audio: list[np.ndarray]) -> Turns:
+    turns = Turns()
+    agents = [agent(ports[i % len(ports)], audio, args.max_tokens, turns, cut=True) for i in range(args.agents)]
+    await asyncio.gather(*agents)
+    return turns
+
+
+@dataclass
+class Side:
+    turns: Turns
+    rss: int  # bytes, every process of the side at the end
+    cpu: float  # seconds over the run
+
+
+def side(args: argparse.Namespace, audio: list[np.ndarray], stt_root: Path, tmp: Path, processes: int) -> Side:
+    """One side: `processes` servers (1: every agent in one; N: one each), their agents, their memory and CPU."""
+    ports = [free_port() for _ in range(processes)]
+    per = args.agents // processes
+    procs = [start(port, per, stt_root, tmp / f"serve{i}.log") for i, port in enumerate(ports)]
+    try:
+        for proc, port, i in zip(procs, ports, range(processes), strict=True):
+            wait_ready(proc, f"http://127.0.0.1:{port}", tmp / f"serve{i}.log")
+        before = [tree_memory_cpu(p.pid)[1] for p in procs]
+        turns = asyncio.run(run_side(ports, args, audio))
+        after = [tree_memory_cpu(p.pid) for p in procs]
+    finally:
+        for proc in procs:
+            stop([proc.pid, *descendants(proc.pid)], 10)
+    rss = sum(r for r, _ in after)
+    cpu = sum(c for _, c in after) - sum(before)
+    return Side(turns, rss, cpu)
+
+
+def pct(values: list[float], q: float) -> float:
+    return sorted(values)[min(len(values) - 1, round(q * (len(values) - 1)))] if values else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=2, help="spoken turns per agent")
+    parser.add_argument("--max-tokens", type=int, default=12, help="the longest reply")
+    args = parser.parse_args()
+    from tests.test_asr_e2e import words_model
+
+    with ending_children(), tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        stt = words_model(tmp / "stt-model")
+        audio = [speech(SENTENCES[k % len(SENTENCES)], tmp) for k in range(args.turns)]
+        sides = {
+            "duplexd": side(args, audio, stt.root, tmp, 1),
+            "per_agent": side(args, audio, stt.root, tmp, args.agents),
+        }
+    out: dict[str, object] = {"bench": "agent_turns", "agents": args.agents, "turns": args.turns}
+    print(f"voice agents on {platform.machine()}: {args.agents} agents x {args.turns} turns, demo STT/TTS/LLM, CPU")
+    print("side       detect p50 first word p50/p99 first audio p50/p99 late   cut ms  RSS MB/agent CPU s/agent")
+    for name, result in sides.items():
+        t = result.turns
+        per_agent_mb = result.rss / args.agents / 2**20
+        cpu = result.cpu / args.agents
+        late = t.late / max(t.frames, 1)
+        cut_ms = statistics.median(t.cut_ms) if t.cut_ms else float("nan")
+        word = f"{pct(t.first_word_ms, 0.5):.0f}/{pct(t.first_word_ms, 0.99):.0f}"
+        audio_ms = f"{pct(t.first_audio_ms, 0.5):.0f}/{pct(t.first_audio_ms, 0.99):.0f}"
+        print(
+            f"{name:<10} {pct(t.detected_ms, 0.5):10.0f} {word:>18} {audio_ms:>19} {late:.3f} {cut_ms:7.0f} "
+            f"{per_agent_mb:12.0f} {cpu:11.1f}"
+        )
+        out |= {
+            f"detected_ms_p50_{name}": round(pct(t.detected_ms, 0.5), 1),
+            f"first_word_ms_p50_{name}": round(pct(t.first_word_ms, 0.5), 1),
+            f"first_word_ms_p99_{name}": round(pct(t.first_word_ms, 0.99), 1),
+            f"first_audio_ms_p50_{name}": round(pct(t.first_audio_ms, 0.5), 1),
+            f"first_audio_ms_p99_{name}": round(pct(t.first_audio_ms, 0.99), 1),
+            f"late_frac_{name}": round(late, 4),
+            f"cut_ms_p50_{name}": round(statistics.median(t.cut_ms), 1) if t.cut_ms else None,
+            f"failed_{name}": t.failed,
+            f"rss_mb_per_agent_{name}": round(per_agent_mb, 1),
+            f"cpu_s_per_agent_{name}": round(cpu, 2),
+        }
+    out["memory_ratio_vs_per_agent"] = round(sides["duplexd"].rss / sides["per_agent"].rss, 3)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
