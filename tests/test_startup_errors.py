@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from duplexd.engine.tts.demo import demo_tts_folder
 from duplexd.engine.weights.demo import ensure_demo, ensure_demo_stt
 
 # name: (command line after `duplexd`, text the error line must hold, extra environment)
@@ -336,6 +337,7 @@ def results(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, st
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DUPLEXD_CACHE", str(cache))
         demo, stt = ensure_demo(), ensure_demo_stt()  # written once here, so no case writes them (or pays for it)
+        demo_tts_folder()  # the demo TTS too (~1.4 s a write): five cases start from `--tts demo-tts`
     _files(tmp)
     cases = dict(CASES)
     gemma = None
