@@ -161,6 +161,7 @@ TINY_SUITE = {
     "GPU_SUITE_DRY": "1",
     "WHEELS": "/nonexistent",  # the device machine's wheels (.whl/, for its Python) are not this Python's
     "PYTHON": sys.executable,
+    "LOAD_SECONDS": "2",  # the served load test's realtime seconds (5 in a dry run): it checks that sessions are served
     "CAPACITY_ARGS": "--preset demo --device cpu --batches 1 --steps 3 --max-sessions 1 --granularity 1 "
     "--budget-ms 1e6 --timeout 60",
     "PREFILL_ARGS": "--preset demo --device cpu --quick --threads 1",
@@ -223,6 +224,10 @@ SMOKE: dict[str, Smoke] = {
         transcribe_tokens,
     ),
     "vad.py": Smoke(("--sessions", "2", "--seconds", "1", "--repeats", "1"), ("ratio_2",)),
+    "agent_turns.py": Smoke(
+        ("--agents", "1", "--turns", "1", "--max-tokens", "4"),
+        ("memory_ratio_vs_per_agent", "first_audio_ms_p50_duplexd", "late_frac_duplexd", "cut_ms_p50_duplexd"),
+    ),
     "gpu_suite.sh": SUITE,
 }
 VIA_SUITE = {  # run by the dry suite, where suite_stages checks what each wrote
@@ -323,6 +328,8 @@ def test_every_shell_script_parses():
 def test_bench_runs(name, runs):
     if name == "codec.py":
         system_tools.require("libopus")
+    if name == "agent_turns.py":  # its turns are espeak-ng's speech
+        system_tools.require("espeak-ng")
     ran = runs[name].result()
     tail = f"\n--- stdout ---\n{ran.out[-3000:]}\n--- stderr ---\n{ran.err[-3000:]}"
     assert not ran.timed_out, f"{name} still ran after {SMOKE[name].timeout:g} s{tail}"
