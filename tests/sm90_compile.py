@@ -32,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -128,6 +129,17 @@ class Recorder:
         # Compiles run on worker threads while the engine is driven on (ptxas is a subprocess; each variant is its own
         # compile): `finish` waits for them.
         self.pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+        # CPython 3.11 builds AST objects with a recursion-depth check that is not thread-safe: compiles parsing
+        # kernels on several threads at once failed now and then with "AST constructor recursion depth mismatch".
+        # Parsing takes turns until `finish` (the compiles' other stages, ptxas above all, still overlap).
+        self._parse = ast.parse
+        lock = threading.Lock()
+
+        def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return self._parse(*args, **kwargs)
+
+        ast.parse = one_at_a_time
         self.pending: list[Future] = []
         self.variants: dict[tuple, dict[str, Any]] = {}
         self.first_launch: dict[str, tuple[Any, tuple, dict]] = {}
@@ -181,9 +193,12 @@ class Recorder:
             record["error"] = f"{type(e).__name__}: {e}"
 
     def finish(self) -> None:
-        for future in self.pending:
-            future.result()
-        self.pool.shutdown()
+        try:
+            for future in self.pending:
+                future.result()
+            self.pool.shutdown()
+        finally:
+            ast.parse = self._parse
 
 
 def kernel_inventory() -> tuple[list[str], list[str]]:
