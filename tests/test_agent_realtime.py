@@ -107,6 +107,13 @@ def audio_b64(pcm: np.ndarray) -> str:
     return base64.b64encode(wire.pcm16(pcm)).decode()
 
 
+async def talk(conn, pcm: np.ndarray) -> None:
+    """The user says `pcm`, 80 ms an append at real-time pace."""
+    for i in range(0, len(pcm), 1920):
+        await conn.input_audio_buffer.append(audio=audio_b64(pcm[i : i + 1920]))
+        await asyncio.sleep(0.08)
+
+
 def test_a_typed_turn_is_answered_in_speech_in_openais_order(server):
     async def turn() -> Seen:
         seen = Seen()
@@ -161,12 +168,7 @@ def test_a_spoken_turn_is_heard_and_answered(server, tmp_path):
             await conn.session.update(session={**SHORT, "audio": {"input": {"turn_detection": detection}}})
             await until(conn, seen, "session.updated")
 
-            async def talk() -> None:
-                for i in range(0, len(audio), 1920):
-                    await conn.input_audio_buffer.append(audio=audio_b64(audio[i : i + 1920]))
-                    await asyncio.sleep(0.08)
-
-            talking = asyncio.create_task(talk())
+            talking = asyncio.create_task(talk(conn, audio))
             await until(conn, seen, "response.done")
             talking.cancel()
             user = seen.of("conversation.item.input_audio_transcription.completed")[0]
@@ -199,12 +201,7 @@ def test_barge_in_cancels_the_response_and_keeps_what_was_heard(server, tmp_path
             await conn.response.create()
             await until(conn, seen, "response.output_audio.delta")
 
-            async def talk() -> None:
-                for i in range(0, len(pcm), 1920):
-                    await conn.input_audio_buffer.append(audio=audio_b64(pcm[i : i + 1920]))
-                    await asyncio.sleep(0.08)
-
-            talking = asyncio.create_task(talk())
+            talking = asyncio.create_task(talk(conn, pcm))
             done = await until(conn, seen, "response.done")
             talking.cancel()
             message = done["response"]["output"][0]

@@ -72,7 +72,8 @@ def decode_24k(data: bytes, max_seconds: float) -> np.ndarray:
     return pcm if rate == RATE else soxr.resample(pcm, rate, RATE).astype(np.float32)
 
 
-async def _body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or `Refused` 413 once it passes `limit` bytes (declared or sent)."""
     declared = request.headers.get("content-length", "")
     too_large = Refused(413, "file_too_large", f"the body is larger than the {limit} bytes this server takes")
     if declared.isdigit() and int(declared) > limit:
@@ -116,7 +117,7 @@ async def transcribe_file(request: Request, ctx: Context) -> Response:
         if not key_ok(request, ctx.settings.api_key):
             raise Refused(401, "invalid_api_key", "missing or wrong API key")
         settings = ctx.settings
-        data = await _body(request, int(settings.max_upload_bytes))
+        data = await read_body(request, int(settings.max_upload_bytes))
         seconds = min(settings.max_transcribe_seconds, settings.session_seconds(True) or math.inf)
         try:
             pcm = await asyncio.to_thread(decode_24k, data, seconds)

@@ -36,7 +36,7 @@ from duplexd.server.codec.upload import UploadError, sniff
 from duplexd.server.core.cloning import CloningBusy
 from duplexd.server.core.context import Context
 
-from .asr_upload import Refused
+from .asr_upload import Refused, read_body
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -50,21 +50,6 @@ def voice_message(voice: torch.Tensor) -> bytes:
     """`OutMsg::Voice{embeddings, shape}` as moshi-server writes it (a struct map, the tag first)."""
     values = voice.detach().cpu().numpy().astype(np.float32, copy=False)
     return _PACKER.pack({"type": "Voice", "embeddings": values.reshape(-1).tolist(), "shape": list(values.shape)})
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or `Refused` 413 once it passes `limit` bytes (declared or sent)."""
-    declared = request.headers.get("content-length", "")
-    too_large = Refused(413, "file_too_large", f"the body is larger than the {limit} bytes this server takes")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _recording(data: bytes) -> np.ndarray:
