@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .audio_formats import BETA_NAMES, Format, format_object
 from .events import (
@@ -27,7 +27,7 @@ from .events import (
     OutputClear,
     RealtimeError,
     TranscriptionSettings,
-    refusal,
+    parse_with,
     server_event,
 )
 from .transcription_events import Clear, Commit, TurnDetectionSettings
@@ -229,10 +229,7 @@ EVENTS: TypeAdapter[Event] = TypeAdapter(Annotated[Event, Field(discriminator="t
 
 def parse_event(text: str) -> Event:
     """A client event of an agent session; `Close` or `RealtimeError` as in a conversation."""
-    try:
-        return EVENTS.validate_json(text)
-    except ValidationError as e:
-        raise refusal(e, text) from None
+    return parse_with(EVENTS, text)
 
 
 def max_tokens(value: MaxTokens | None) -> int | None:

@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import json
 import uuid
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -40,6 +40,7 @@ from duplexd.server.connection.closing import Close, CloseCode
 
 from .audio_formats import BETA_NAMES, PCM, Format, InputAudio, format_object
 
+T = TypeVar("T")
 SUBPROTOCOL = "realtime"
 SAMPLE_RATE = wire.SAMPLE_RATE
 TRANSCRIPTION_PARAM = "session.audio.input.transcription"
@@ -276,8 +277,13 @@ def event_id() -> str:
 def parse_event(text: str) -> Event:
     """A client event of a type duplexd knows. `Close` when the text is not JSON or not an event (1007), for an
     unknown type (1002) or an append without its audio (1007); `RealtimeError` for a bad `session.update`."""
+    return parse_with(CLIENT_EVENTS, text)
+
+
+def parse_with(events: TypeAdapter[T], text: str) -> T:
+    """A client event of the union `events` (each kind of session has its own), refused as `parse_event` says."""
     try:
-        return CLIENT_EVENTS.validate_json(text)
+        return events.validate_json(text)
     except ValidationError as e:
         raise refusal(e, text) from None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter
 
 from duplexd.server.stt.turns import TurnDetection
 
@@ -30,7 +30,7 @@ from .events import (
     ItemRetrieve,
     RealtimeError,
     TranscriptionSettings,
-    refusal,
+    parse_with,
 )
 
 INTENT = "transcription"  # the `intent` query parameter that asks for such a session
@@ -178,10 +178,7 @@ EVENTS: TypeAdapter[Event] = TypeAdapter(Annotated[Event, Field(discriminator="t
 
 def parse_event(text: str) -> Event:
     """A client event of a transcription session; `Close` or `RealtimeError` as in a conversation."""
-    try:
-        return EVENTS.validate_json(text)
-    except ValidationError as e:
-        raise refusal(e, text) from None
+    return parse_with(EVENTS, text)
 
 
 def session_object(
