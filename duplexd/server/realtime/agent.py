@@ -469,19 +469,25 @@ class AgentAdapter(TranscriptionAdapter):
         wait = r.started + audio.frame * FRAME_S - LEAD_S - now
         if wait > 0:
             await asyncio.sleep(wait)
-        if r.cancelled is not None:
-            return
         while words and words[0][1] <= audio.frame + 1:
             await self.release_word(r, *words.popleft())
-        await self.send_text(
-            self.part_event("response.output_audio.delta", r, delta=self.output_audio.base64(audio.pcm))
-        )
-        r.frames_sent = audio.frame + 1
+        delta = self.part_event("response.output_audio.delta", r, delta=self.output_audio.base64(audio.pcm))
+        if await self.send_live(r, delta):
+            r.frames_sent = audio.frame + 1
 
     async def release_word(self, r: Running, word: str, frame: int) -> None:
-        delta = word if not r.heard else f" {word}"
-        r.heard.append((word, frame))
-        await self.send_text(self.part_event("response.output_audio_transcript.delta", r, delta=delta))
+        delta = self.part_event("response.output_audio_transcript.delta", r, delta=word if not r.heard else f" {word}")
+        if await self.send_live(r, delta):
+            r.heard.append((word, frame))
+
+    async def send_live(self, r: Running, line: str) -> bool:
+        """Send `line` unless `r` was cancelled, checked under the send lock: a barge-in's `speech_started`, sent
+        after the cancel, is never followed by more of the cancelled speech."""
+        async with self.send_lock:
+            if r.cancelled is not None:
+                return False
+            await self.ws.send_text(line)
+            return True
 
     async def close_message(self, r: Running) -> None:
         if r.message_id is None:
