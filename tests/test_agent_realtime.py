@@ -320,3 +320,38 @@ def test_the_models_list_says_what_the_agent_is_made_of(server):
     assert agent["hears_with"] == stt["id"] and agent["speaks_with"] == tts["id"]
     assert agent["llm"]["demo"] is True and agent["llm"]["url"].startswith("http://127.0.0.1:")
     assert agent["endpoints"] == ["/v1/realtime"] and agent["voices"] == tts["voices"]
+
+
+def test_a_text_only_out_of_band_response_leaves_the_conversation_alone(server):
+    """`output_modalities: ["text"]` streams `response.output_text.delta`s and no audio; `conversation: "none"` with an
+    `input` of its own answers that input and adds nothing to the conversation (OpenAI's out-of-band response), its
+    `metadata` carried through."""
+
+    async def aside() -> Seen:
+        seen = Seen()
+        async with connect(server) as conn:
+            await until(conn, seen, "session.created")
+            await conn.session.update(session=SHORT)
+            await until(conn, seen, "session.updated")
+            question = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]}
+            await conn.response.create(
+                response={
+                    "conversation": "none",
+                    "input": [question],
+                    "output_modalities": ["text"],
+                    "metadata": {"purpose": "classify"},
+                }
+            )
+            done = await until(conn, seen, "response.done")
+            message = done["response"]["output"][0]
+            await conn.conversation.item.retrieve(item_id=message["id"])
+            seen.events.append(json.loads(await asyncio.wait_for(conn.recv_bytes(), 30)))
+        return seen
+
+    seen = run(aside())
+    done = seen.of("response.done")[0]["response"]
+    assert finished(done) and done["metadata"] == {"purpose": "classify"} and done["conversation_id"] is None
+    text = "".join(e["delta"] for e in seen.of("response.output_text.delta"))
+    assert text and done["output"][0]["content"][0] == {"type": "output_text", "text": text}
+    assert not seen.of("response.output_audio.delta") and not seen.of("conversation.item.added")
+    assert seen.events[-1]["type"] == "error" and seen.events[-1]["error"]["code"] == "item_not_found"

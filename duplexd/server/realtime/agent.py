@@ -457,7 +457,7 @@ class AgentAdapter(TranscriptionAdapter):
             self.heard[r.message_id] = r.heard
         await self.send_lines([
             ev.server_event("response.output_item.added", response_id=r.id, output_index=0, item=item),
-            ev.server_event("conversation.item.added", previous_item_id=previous, item=item),
+            *_in_conversation(r, "conversation.item.added", previous, item),
             self.part_event("response.content_part.added", r, part=aev.part_object(r.audio, "")),
         ])  # fmt: skip
 
@@ -508,7 +508,7 @@ class AgentAdapter(TranscriptionAdapter):
         lines += [
             self.part_event("response.content_part.done", r, part=aev.part_object(r.audio, text)),
             ev.server_event("response.output_item.done", response_id=r.id, output_index=0, item=item),
-            ev.server_event("conversation.item.done", previous_item_id=None, item=item),
+            *_in_conversation(r, "conversation.item.done", None, item),
         ]
         if r.conversation and r.message_id in self.conversation:
             self.conversation[r.message_id] = item
@@ -523,7 +523,7 @@ class AgentAdapter(TranscriptionAdapter):
         index = self.output_index(r, item_id)
         await self.send_lines([
             ev.server_event("response.output_item.added", response_id=r.id, output_index=index, item=item),
-            ev.server_event("conversation.item.added", previous_item_id=previous, item=item),
+            *_in_conversation(r, "conversation.item.added", previous, item),
         ])  # fmt: skip
 
     async def end_call(self, r: Running, call: ToolCallEnd) -> None:
@@ -538,7 +538,7 @@ class AgentAdapter(TranscriptionAdapter):
         await self.send_lines([
             ev.server_event("response.function_call_arguments.done", response_id=r.id, item_id=item_id,
                             output_index=index, call_id=call_id, name=name, arguments=call.arguments),
-            ev.server_event("conversation.item.done", previous_item_id=None, item=item),
+            *_in_conversation(r, "conversation.item.done", None, item),
             ev.server_event("response.output_item.done", response_id=r.id, output_index=index, item=item),
         ])  # fmt: skip
 
@@ -569,6 +569,12 @@ class AgentAdapter(TranscriptionAdapter):
             self.task.cancel()
             with contextlib.suppress(BaseException):
                 await self.task
+
+
+def _in_conversation(r: Running, kind: str, previous: str | None, item: dict[str, Any]) -> list[str]:
+    """A response item's `conversation.item.*` event: none for an out-of-band response (`conversation: "none"`),
+    whose items stay outside the conversation."""
+    return [ev.server_event(kind, previous_item_id=previous, item=item)] if r.conversation else []
 
 
 def _is_json(text: str) -> bool:
