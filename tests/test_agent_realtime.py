@@ -355,3 +355,41 @@ def test_a_text_only_out_of_band_response_leaves_the_conversation_alone(server):
     assert text and done["output"][0]["content"][0] == {"type": "output_text", "text": text}
     assert not seen.of("response.output_audio.delta") and not seen.of("conversation.item.added")
     assert seen.events[-1]["type"] == "error" and seen.events[-1]["error"]["code"] == "item_not_found"
+
+
+def test_the_session_shows_what_it_will_do(server):
+    """What stock clients send by default is taken as a cascade can honour it: an OpenAI voice name speaks in the
+    default TTS voice, a served one in itself; `semantic_vad` with its switches; the tools and tool choice; G.711."""
+
+    async def updates() -> list[dict]:
+        seen = Seen()
+        async with connect(server) as conn:
+            created = await until(conn, seen, "session.created")
+            default = created["session"]["audio"]["output"]["voice"]
+            session = {
+                "type": "realtime",
+                "output_modalities": ["audio"],
+                "tools": [VOLUME],
+                "tool_choice": "auto",
+                "audio": {
+                    "input": {
+                        "format": {"type": "audio/pcmu"},
+                        "transcription": {"model": "gpt-4o-mini-transcribe"},
+                        "turn_detection": {"type": "semantic_vad", "eagerness": "high", "interrupt_response": False},
+                    },
+                    "output": {"voice": "ash"},
+                },
+            }
+            await conn.session.update(session=session)
+            first = (await until(conn, seen, "session.updated"))["session"]
+            await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "demo/bob.wav"}}})
+            second = (await until(conn, seen, "session.updated"))["session"]
+        return [default, first, second]
+
+    default, first, second = run(updates())
+    assert first["audio"]["output"]["voice"] == default and second["audio"]["output"]["voice"] == "demo/bob.wav"
+    detection = first["audio"]["input"]["turn_detection"]
+    assert detection["type"] == "semantic_vad" and detection["eagerness"] == "high"
+    assert detection["interrupt_response"] is False and detection["create_response"] is True
+    assert first["tools"][0]["name"] == "set_volume" and first["tool_choice"] == "auto"
+    assert first["audio"]["input"]["format"]["type"] == "audio/pcmu" and first["audio"]["input"]["transcription"]
