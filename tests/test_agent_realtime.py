@@ -393,3 +393,31 @@ def test_the_session_shows_what_it_will_do(server):
     assert detection["interrupt_response"] is False and detection["create_response"] is True
     assert first["tools"][0]["name"] == "set_volume" and first["tool_choice"] == "auto"
     assert first["audio"]["input"]["format"]["type"] == "audio/pcmu" and first["audio"]["input"]["transcription"]
+
+
+def test_an_idle_timeout_prompts_a_response_once_the_reply_has_played(server):
+    """`idle_timeout_ms`: after a reply's audio has played out and the user has said nothing for that long,
+    `input_audio_buffer.timeout_triggered`, then a response of the agent's own."""
+
+    async def idle() -> Seen:
+        seen = Seen()
+        async with connect(server) as conn:
+            await until(conn, seen, "session.created")
+            detection = {"type": "server_vad", "idle_timeout_ms": 700, "interrupt_response": False}
+            await conn.session.update(session={**SHORT, "audio": {"input": {"turn_detection": detection}}})
+            await until(conn, seen, "session.updated")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello."}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            await until(conn, seen, "response.done")
+            await until(conn, seen, "input_audio_buffer.timeout_triggered")
+            await until(conn, seen, "response.done")
+        return seen
+
+    seen = run(idle())
+    first_done = seen.types().index("response.done")
+    audio = [i for i, e in enumerate(seen.events[:first_done]) if e["type"] == "response.output_audio.delta"]
+    played_out = seen.times[audio[0]] + len(audio) * 0.08  # the client plays from the first frame
+    fired = seen.times[seen.types().index("input_audio_buffer.timeout_triggered")]
+    assert played_out + 0.7 - 0.1 <= fired <= played_out + 0.7 + 1.5
+    assert len(seen.of("response.created")) == 2 and all(finished(d["response"]) for d in seen.of("response.done"))

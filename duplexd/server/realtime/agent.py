@@ -10,7 +10,8 @@ the frame it is heard from; the assistant item holds the words that were heard. 
 them (a `function_call` item, its argument deltas, done), and the client's `function_call_output` item then a
 `response.create` lets the LLM answer. The user speaking during a response (with `interrupt_response`) cancels it:
 the LLM's request and the TTS stream end at once, the item keeps what was heard, and `response.done` says
-`cancelled` (`turn_detected`). `response.cancel` does the same (`client_cancelled`).
+`cancelled` (`turn_detected`). `response.cancel` does the same (`client_cancelled`). With `idle_timeout_ms`, a quiet
+user (after the reply has played out) gets `input_audio_buffer.timeout_triggered` and a response.
 
 Every response goes `response.created` → per output item `response.output_item.added`, `conversation.item.added`
 (and for speech `response.content_part.added`, the deltas, `.done`s) → `response.output_item.done` →
@@ -36,7 +37,7 @@ from duplexd.engine.agent.events import TextDelta, ToolCallArguments, ToolCallEn
 from duplexd.engine.agent.llm import ChatRequest
 from duplexd.engine.agent.reply import Audio, Done, Reply, Speaker, Spoken
 from duplexd.engine.dialogue.session import SessionOutput
-from duplexd.engine.transcription.service import SpeechBegan, TranscriptDone
+from duplexd.engine.transcription.service import SpeechBegan, SpeechEnded, TranscriptDone
 from duplexd.engine.tts.service import SpeechStream
 from duplexd.server.connection.access import offered_subprotocols
 from duplexd.server.connection.admission import serve
@@ -112,6 +113,11 @@ class AgentAdapter(TranscriptionAdapter):
         self.task: asyncio.Task | None = None
         self.transcribing = 0  # utterances committed whose transcript has not come yet
         self.transcribed = asyncio.Event()
+        # `idle_timeout_ms`: quiet since when (no user speech, no response playing), and what moves that
+        self.quiet_since = time.monotonic()
+        self.user_speaking = False
+        self.activity = asyncio.Event()
+        self.idle_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------------------------------- the session
 
@@ -133,6 +139,7 @@ class AgentAdapter(TranscriptionAdapter):
     async def greet(self, pump: Pump) -> None:
         self.feeder = admitted(self.ctx, pump)
         await self.send_text(ev.session_created(self.session_object()))
+        self.idle_task = asyncio.create_task(self.watch_idle(), name=f"agent-idle-{self.session_id}")
 
     def update_session(self, event: aev.SessionUpdate) -> None:
         s = event.session
@@ -175,6 +182,55 @@ class AgentAdapter(TranscriptionAdapter):
     def set_turn_detection(self, detection: aev.AgentTurnDetection | None) -> None:
         self.turn_detection = detection
         self.turns.detection = detection.detection() if detection is not None else None
+        self.quiet(time.monotonic())
+
+    # ------------------------------------------------------------------------------------------- idle timeout
+
+    def quiet(self, since: float) -> None:
+        """The session is quiet from `since` (the user's speech or a response's audio ended, a setting changed)."""
+        self.quiet_since = since
+        self.activity.set()
+
+    def idle_deadline(self) -> float | None:
+        """When `idle_timeout_ms` fires: None while it is off, the user speaks or a response runs."""
+        detection = self.turn_detection
+        if detection is None or not detection.idle_timeout_ms or self.running is not None or self.user_speaking:
+            return None
+        return self.quiet_since + detection.idle_timeout_ms / 1000
+
+    async def watch_idle(self) -> None:
+        """Wakes at the idle deadline, or when what sets it changes; at the deadline, `idle_timeout`."""
+        while True:
+            self.activity.clear()
+            deadline = self.idle_deadline()
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.activity.wait(), wait)
+                continue
+            deadline = self.idle_deadline()
+            if deadline is not None and time.monotonic() >= deadline:
+                await self.idle_timeout()
+
+    async def idle_timeout(self) -> None:
+        """No speech for `idle_timeout_ms`: `input_audio_buffer.timeout_triggered` over the quiet audio, that audio
+        committed as the user's turn (when any came), and a response, as OpenAI's server VAD does."""
+        now = time.monotonic()
+        rate = self.ctx.runtime.info.sample_rate
+        end_ms = round(self.client_samples * 1000 / rate)
+        start_ms = max(0, end_ms - round((now - self.quiet_since) * 1000))
+        self.quiet(now)
+        item_id = ev.new_id("item")
+        if self.client_samples > self.committed_samples:
+            self.transcribing += 1
+            self.transcribed.clear()
+            await self.commit(aev.Commit(type="input_audio_buffer.commit"))
+            item_id = self.items.last or item_id
+        await self.send_text(ev.server_event(
+            "input_audio_buffer.timeout_triggered", audio_start_ms=start_ms, audio_end_ms=end_ms, item_id=item_id
+        ))  # fmt: skip
+        detection = self.turn_detection
+        if detection is not None and detection.create_response and self.running is None:
+            self.respond(aev.ResponseParams(), None)
 
     # ------------------------------------------------------------------------------------------- client events
 
@@ -294,8 +350,14 @@ class AgentAdapter(TranscriptionAdapter):
         self.feeder.answer(out.frame + 1)
         for event in self.turns.step(step):
             item_id = self.items.item(event.item).id if isinstance(event, TranscriptDone) else ""
-            if isinstance(event, SpeechBegan) and self.running is not None and self.interrupts():
-                self.cancel("turn_detected")  # barge-in: before speech_started goes out
+            if isinstance(event, SpeechBegan):
+                self.user_speaking = True
+                self.activity.set()
+                if self.running is not None and self.interrupts():
+                    self.cancel("turn_detected")  # barge-in: before speech_started goes out
+            elif isinstance(event, SpeechEnded | TranscriptDone) and self.user_speaking:
+                self.user_speaking = False
+                self.quiet(time.monotonic())
             await self.send_lines(self.items.events(event))
             if isinstance(event, TranscriptDone):
                 user = self.items.retrieved(item_id)
@@ -354,6 +416,7 @@ class AgentAdapter(TranscriptionAdapter):
             params.metadata,
         )
         self.running = running
+        self.activity.set()
         self.task = asyncio.create_task(self.run_response(running), name=f"agent-{running.id}")
 
     def open_speech(self) -> SpeechStream:
@@ -396,6 +459,9 @@ class AgentAdapter(TranscriptionAdapter):
         finally:
             if self.running is r:
                 self.running = None
+                # quiet once its audio has played out (the client plays from the first frame)
+                played_out = r.started + r.frames_sent * FRAME_S if r.started is not None else time.monotonic()
+                self.quiet(max(played_out, time.monotonic()) if r.cancelled is None else time.monotonic())
 
     async def _run(self, r: Running) -> None:
         created = aev.response_object(
@@ -562,13 +628,14 @@ class AgentAdapter(TranscriptionAdapter):
         await self.send_text(ev.server_event("response.done", response=response))
 
     async def aclose(self) -> None:
-        """The session is over: its response stops (its LLM request and TTS stream with it)."""
+        """The session is over: its response stops (its LLM request and TTS stream with it), and its idle watch."""
         if self.running is not None:
             self.running.reply.cancel()
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(BaseException):
-                await self.task
+        for task in (self.task, self.idle_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
 
 def _in_conversation(r: Running, kind: str, previous: str | None, item: dict[str, Any]) -> list[str]:
