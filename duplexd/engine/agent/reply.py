@@ -75,7 +75,6 @@ class Reply:
 
     def __init__(self, client: LLMClient, request: ChatRequest, speaker: Speaker | None) -> None:
         self.client, self.request, self.speaker = client, request, speaker
-        self.text: list[str] = []  # every text delta, in order (the whole reply as the LLM wrote it)
         self.stream: SpeechStream | None = None
         self._queue: asyncio.Queue[ReplyEvent | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -112,7 +111,6 @@ class Reply:
             async with contextlib.aclosing(self.client.stream(self.request)) as replies:
                 async for event in replies:
                     if isinstance(event, TextDelta):
-                        self.text.append(event.text)
                         self._say(cutter.push(event.text))
                     elif isinstance(event, Finish):
                         reason = event.reason

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 FRAME_S = 0.08
+FRAME_MS = 80
 LEAD_S = 0.32  # speech sent ahead of real time (Unmute's 4 frames): enough to play smoothly, little to cut
 DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer briefly, in plain spoken sentences."
 TRANSCRIPT_WAIT_S = 5.0  # a response asked for right after a commit waits this long for the turn's transcript
@@ -86,7 +87,12 @@ class Running:
         """Audio the client has had time to play: the frames sent, capped by the time since the first."""
         if self.started is None:
             return 0
-        return min(self.frames_sent * 80, int((time.monotonic() - self.started) * 1000))
+        return min(self.frames_sent * FRAME_MS, int((time.monotonic() - self.started) * 1000))
+
+    def played_out(self) -> float:
+        """When the audio sent will have played (the client plays from the first frame); now if none was sent."""
+        now = time.monotonic()
+        return now if self.started is None else max(now, self.started + self.frames_sent * FRAME_S)
 
 
 class AgentAdapter(TranscriptionAdapter):
@@ -221,8 +227,6 @@ class AgentAdapter(TranscriptionAdapter):
         self.quiet(now)
         item_id = ev.new_id("item")
         if self.client_samples > self.committed_samples:
-            self.transcribing += 1
-            self.transcribed.clear()
             await self.commit(aev.Commit(type="input_audio_buffer.commit"))
             item_id = self.items.last or item_id
         await self.send_text(ev.server_event(
@@ -246,13 +250,7 @@ class AgentAdapter(TranscriptionAdapter):
                 self.update_session(event)
                 await self.send_text(ev.session_updated(self.session_object()))
             elif isinstance(event, aev.Commit):
-                self.transcribing += 1
-                self.transcribed.clear()
-                try:
-                    await self.commit(event)
-                except ev.RealtimeError:
-                    self.transcribing -= 1
-                    raise
+                await self.commit(event)
             elif isinstance(event, aev.Clear):
                 self.turns.clear(self.stream_s())
                 self.committed_samples = self.client_samples
@@ -285,6 +283,20 @@ class AgentAdapter(TranscriptionAdapter):
         except ev.RealtimeError as e:
             await self.send_text(e.event())
         return None  # pushed by the feeder
+
+    async def commit(self, event: tev.Commit) -> None:
+        """A transcription session's commit, its transcript awaited by a response asked for meanwhile."""
+        self.transcribing += 1
+        self.transcribed.clear()
+        try:
+            await super().commit(event)
+        except ev.RealtimeError:
+            self.transcribing -= 1
+            raise
+
+    def last_item(self) -> str | None:
+        """The id of the conversation's last item (what a new one follows)."""
+        return next(reversed(self.conversation), None)
 
     def item(self, item_id: str, event_id: str | None) -> dict[str, Any]:
         item = self.conversation.get(item_id) or self.items.retrieved(item_id)
@@ -325,7 +337,7 @@ class AgentAdapter(TranscriptionAdapter):
                     "item.call_id",
                 )
             made = aev.function_output_item(item_id, item.call_id, item.output)
-        previous = next(reversed(self.conversation), None) if self.conversation else None
+        previous = self.last_item()
         self.conversation[item_id] = made
         await self.send_lines(aev.item_added(made, previous))
 
@@ -338,8 +350,7 @@ class AgentAdapter(TranscriptionAdapter):
             )
         words = self.heard.get(event.item_id)
         if words is not None:
-            heard = " ".join(word for word, frame in words if frame * 80 < event.audio_end_ms)
-            item["content"] = [aev.content_object(True, heard)]
+            item["content"] = [aev.content_object(True, _heard(words, event.audio_end_ms))]
         await self.send_text(ev.item_truncated(event.item_id, event.content_index, event.audio_end_ms))
 
     # ------------------------------------------------------------------------------------------- the STT's turns
@@ -459,9 +470,7 @@ class AgentAdapter(TranscriptionAdapter):
         finally:
             if self.running is r:
                 self.running = None
-                # quiet once its audio has played out (the client plays from the first frame)
-                played_out = r.started + r.frames_sent * FRAME_S if r.started is not None else time.monotonic()
-                self.quiet(max(played_out, time.monotonic()) if r.cancelled is None else time.monotonic())
+                self.quiet(r.played_out() if r.cancelled is None else time.monotonic())
 
     async def _run(self, r: Running) -> None:
         created = aev.response_object(
@@ -517,7 +526,7 @@ class AgentAdapter(TranscriptionAdapter):
             return
         r.message_id = ev.new_id("item")
         item = aev.message_item(r.message_id, "assistant", [], "in_progress")
-        previous = next(reversed(self.conversation), None) if self.conversation else None
+        previous = self.last_item()
         if r.conversation:
             self.conversation[r.message_id] = item
             self.heard[r.message_id] = r.heard
@@ -559,9 +568,7 @@ class AgentAdapter(TranscriptionAdapter):
         if r.message_id is None:
             return
         if r.audio:
-            played = r.played_ms() if r.cancelled is not None else None
-            heard = [word for word, frame in r.heard if played is None or frame * 80 < played]
-            text = " ".join(heard)
+            text = _heard(r.heard, r.played_ms() if r.cancelled is not None else None)
             lines = [
                 self.part_event("response.output_audio.done", r),
                 self.part_event("response.output_audio_transcript.done", r, transcript=text),
@@ -585,7 +592,7 @@ class AgentAdapter(TranscriptionAdapter):
         item_id = ev.new_id("item")
         r.calls[call.index] = (item_id, call.call_id, call.name)
         item = aev.function_call_item(item_id, call.call_id, call.name, "", "in_progress")
-        previous = next(reversed(self.conversation), None) if self.conversation else None
+        previous = self.last_item()
         index = self.output_index(r, item_id)
         await self.send_lines([
             ev.server_event("response.output_item.added", response_id=r.id, output_index=index, item=item),
@@ -636,6 +643,11 @@ class AgentAdapter(TranscriptionAdapter):
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+
+
+def _heard(words: list[tuple[str, int]], before_ms: int | None) -> str:
+    """The words heard before `before_ms` of the speech (all of them: None), each from its own frame."""
+    return " ".join(word for word, frame in words if before_ms is None or frame * FRAME_MS < before_ms)
 
 
 def _in_conversation(r: Running, kind: str, previous: str | None, item: dict[str, Any]) -> list[str]:
