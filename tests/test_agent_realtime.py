@@ -82,6 +82,13 @@ async def until(conn, seen: Seen, kind: str, timeout: float = 60) -> dict:
             return event
 
 
+async def opened(conn, seen: Seen, session: dict) -> None:
+    """The session created, then updated to `session`."""
+    await until(conn, seen, "session.created")
+    await conn.session.update(session=session)
+    await until(conn, seen, "session.updated")
+
+
 def connect(live):
     return AsyncOpenAI(base_url=f"{live.url}/v1", api_key="sk-unused").realtime.connect(model="gpt-realtime")
 
@@ -118,9 +125,7 @@ def test_a_typed_turn_is_answered_in_speech_in_openais_order(server):
     async def turn() -> Seen:
         seen = Seen()
         async with connect(server) as conn:
-            await until(conn, seen, "session.created")
-            await conn.session.update(session=SHORT)
-            await until(conn, seen, "session.updated")
+            await opened(conn, seen, SHORT)
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}
             await conn.conversation.item.create(item=item)
             await conn.response.create()
@@ -164,9 +169,7 @@ def test_a_spoken_turn_is_heard_and_answered(server, tmp_path):
     async def turn() -> tuple[Seen, dict]:
         seen = Seen()
         async with connect(server) as conn:
-            await until(conn, seen, "session.created")
-            await conn.session.update(session={**SHORT, "audio": {"input": {"turn_detection": detection}}})
-            await until(conn, seen, "session.updated")
+            await opened(conn, seen, {**SHORT, "audio": {"input": {"turn_detection": detection}}})
 
             talking = asyncio.create_task(talk(conn, audio))
             await until(conn, seen, "response.done")
@@ -192,10 +195,8 @@ def test_barge_in_cancels_the_response_and_keeps_what_was_heard(server, tmp_path
     async def interrupted() -> tuple[Seen, dict]:
         seen = Seen()
         async with connect(server) as conn:
-            await until(conn, seen, "session.created")
             session = {**SHORT, "max_output_tokens": 40, "audio": {"input": {"turn_detection": detection}}}
-            await conn.session.update(session=session)
-            await until(conn, seen, "session.updated")
+            await opened(conn, seen, session)
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}
             await conn.conversation.item.create(item=item)
             await conn.response.create()
@@ -224,9 +225,7 @@ def test_a_tool_call_then_its_output_is_answered(server):
     async def call() -> Seen:
         seen = Seen()
         async with connect(server) as conn:
-            await until(conn, seen, "session.created")
-            await conn.session.update(session={**SHORT, "tools": [VOLUME], "max_output_tokens": 128})
-            await until(conn, seen, "session.updated")
+            await opened(conn, seen, {**SHORT, "tools": [VOLUME], "max_output_tokens": 128})
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Quieter please."}]}
             await conn.conversation.item.create(item=item)
             await conn.response.create(response={"tool_choice": "required"})
@@ -330,9 +329,7 @@ def test_a_text_only_out_of_band_response_leaves_the_conversation_alone(server):
     async def aside() -> Seen:
         seen = Seen()
         async with connect(server) as conn:
-            await until(conn, seen, "session.created")
-            await conn.session.update(session=SHORT)
-            await until(conn, seen, "session.updated")
+            await opened(conn, seen, SHORT)
             question = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]}
             await conn.response.create(
                 response={
@@ -402,10 +399,8 @@ def test_an_idle_timeout_prompts_a_response_once_the_reply_has_played(server):
     async def idle() -> Seen:
         seen = Seen()
         async with connect(server) as conn:
-            await until(conn, seen, "session.created")
             detection = {"type": "server_vad", "idle_timeout_ms": 700, "interrupt_response": False}
-            await conn.session.update(session={**SHORT, "audio": {"input": {"turn_detection": detection}}})
-            await until(conn, seen, "session.updated")
+            await opened(conn, seen, {**SHORT, "audio": {"input": {"turn_detection": detection}}})
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello."}]}
             await conn.conversation.item.create(item=item)
             await conn.response.create()
