@@ -1,11 +1,12 @@
 """The suite on every core, as `scripts/test.sh` runs it: `python -m tests.parallel [pytest arguments]`.
 
-pytest-xdist starts one worker per core and hands each a whole test file (`--dist loadfile`), so a module's
-fixtures (a `duplexd serve` process, a reference model) are built once; xdist hands out the files with the most
-tests first (handing out the longest first put the CPU-heavy files side by side, each slowing the other: 7.6
-minutes against 6.1). Every process of the run (workers, the servers and benches they start) keeps to one
-intra-op thread: two workers with two threads each on two cores spent a third more CPU, as did a third worker
-(7.5 minutes).
+pytest-xdist starts one worker per core and one more, and hands each a whole test file (`--dist loadfile`), so a
+module's fixtures (a `duplexd serve` process, a reference model) are built once; xdist hands out the files with the
+most tests first (handing out the longest first put the CPU-heavy files side by side, each slowing the other: 7.6
+minutes against 6.1). The extra worker fills the CPU while the others wait on the wall clock (servers starting,
+sessions paced at real time, browsers): on 2 cores, 1066 tests took 386 s with two workers and 359 s with three,
+for 14 % more CPU. Every process of the run (workers, the servers and benches they start) keeps to one intra-op
+thread: two workers with two threads each on two cores spent a third more CPU.
 
 Tests marked `realtime` pace sessions against the wall clock and check what arrives late; two workers on two cores
 would make them late. Such a test takes the CPU to itself: every test holds a shared `flock` on one file of the
@@ -57,9 +58,9 @@ def cpu_share(item: pytest.Item) -> Iterator[None]:
 
 
 def arguments(argv: list[str], cores: int) -> list[str]:
-    """pytest's arguments: one worker per core and whole files per worker, unless the caller chose otherwise."""
+    """pytest's arguments: a worker per core and one more, whole files per worker, unless the caller chose."""
     chosen = any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in argv)
-    return argv if chosen else ["-n", str(cores), "--dist", "loadfile", *argv]
+    return argv if chosen else ["-n", str(cores + 1), "--dist", "loadfile", *argv]
 
 
 def main() -> int:

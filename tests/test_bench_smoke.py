@@ -230,6 +230,9 @@ SMOKE: dict[str, Smoke] = {
     ),
     "gpu_suite.sh": SUITE,
 }
+# Started first: the suite (the longest), then the benches that mostly wait on the wall clock (servers starting,
+# sessions paced at real time), so that their waits overlap the CPU-bound runs instead of ending the module alone.
+FIRST = ("gpu_suite.sh", "agent_turns.py", "host_overhead.py", "webrtc_calls.py", "speech_mix.py")
 VIA_SUITE = {  # run by the dry suite, where suite_stages checks what each wrote
     "gpu_tts.py",
     "gpu_kernels.py",
@@ -293,13 +296,15 @@ def end_session(proc: subprocess.Popen) -> list[int]:
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> Iterator[dict[str, Future[Ran]]]:
-    """The smoke runs this session's selected tests need, started together, two at a time, the suite first."""
+    """The smoke runs this session's selected tests need, started together, two at a time, `FIRST` first."""
     wanted = {
         item.callspec.params.get("name", "host_overhead.py")
         for item in request.session.items
         if item.module is request.module and hasattr(item, "callspec")
     }
-    order = sorted((name for name in SMOKE if name in wanted), key=lambda name: name != "gpu_suite.sh")
+    order = sorted(
+        (name for name in SMOKE if name in wanted), key=lambda name: FIRST.index(name) if name in FIRST else len(FIRST)
+    )
     pool = ThreadPoolExecutor(2)
     try:
         yield {name: pool.submit(run, name, SMOKE[name], tmp_path_factory.mktemp(name)) for name in order}
