@@ -1,9 +1,10 @@
 """The batched speech service on the demo TTS: streams that start at different times, whose words arrive over time,
-each give the speech and word times that generating it alone gives; a full service refuses, a closed stream frees
-its slot."""
+each give the speech and word times that generating it alone gives; a stream inside its audio delay takes steps
+alone between the steps of all; a full service refuses, a closed stream frees its slot."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from duplexd.engine.models.mimi import MimiStreams
 from duplexd.engine.tts.demo import DEMO_VOICES, demo_tts_folder
 from duplexd.engine.tts.generate import TTSGen, Voice, generate
 from duplexd.engine.tts.model import load_tts, voice_embedding
-from duplexd.engine.tts.service import PCM_LIMIT, SpeechChunk, SpeechEnd, SpeechService, WordTaken
+from duplexd.engine.tts.service import PCM_LIMIT, TEXT_ONLY_STEPS, SpeechChunk, SpeechEnd, SpeechService, WordTaken
 from duplexd.engine.tts.words import script_words
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,6 +79,39 @@ def test_streams_at_different_times_say_what_they_say_alone(model):
             first.push(script_words(["late"], model.tokenizer.encode))
     finally:
         service.stop()
+
+
+def test_a_new_stream_steps_alone_inside_its_audio_delay_and_says_what_it_says_alone(model):
+    long = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen."
+    expected = alone(model, TEXTS[1], 1)
+    service = SpeechService(model, max_streams=2)
+    steps: list[tuple[int, ...]] = []  # each slot's step count after each step
+    service.on_step.add(lambda seconds, streams: steps.append(tuple(service.gen.steps)))
+    service.start()
+    try:
+        first = service.open(voice(model, 0))
+        first.push(script_words([long], model.tokenizer.encode))
+        first.finish()
+        while not isinstance(first.get(timeout=120), SpeechChunk):  # the first stream speaks
+            pass
+        second = service.open(voice(model, 1))
+        second.push(script_words([TEXTS[1]], model.tokenizer.encode))
+        second.finish()
+        pcm, words, frames = collect(second)
+        collect_rest(first)
+    finally:
+        service.stop()
+    assert words == expected[1] and frames == list(range(len(frames)))
+    assert pcm.shape == expected[0].shape and np.allclose(pcm, expected[0], atol=1e-5)
+    # which slots each step advanced, while the second (slot 1) was inside its delay: it alone for TEXT_ONLY_STEPS
+    # steps, then both, and so on; after its delay, both every step
+    stepped = [{i for i in (0, 1) if now[i] != before[i]} for before, now in itertools.pairwise(steps)]
+    delay = model.tts.delay_steps
+    inside = [s for s, now in zip(stepped, steps[1:], strict=True) if 1 in s and now[1] <= delay]
+    cycle = [{1}] * TEXT_ONLY_STEPS + [{0, 1}]
+    assert inside == (cycle * delay)[:delay], inside
+    after = [s for s, now in zip(stepped, steps[1:], strict=True) if now[1] > delay]
+    assert {0, 1} in after, "the first stream speaks on after the second's delay"
 
 
 def test_a_full_service_refuses_and_a_closed_stream_frees_its_slot(model):

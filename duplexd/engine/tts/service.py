@@ -5,7 +5,8 @@ as they come (`push`, then `finish` at the end of its text), and gives back even
 takes it (`WordTaken`, with its step, which moshi-server times `Text` messages by), each 80 ms of speech
 (`SpeechChunk`, 24 kHz, clamped to ±0.99 as moshi-server's worker clamps it) and, once its text and the audio delay
 behind it are said, `SpeechEnd` with its step count. The loop thread steps every stream that is `ready` (its next
-words are there), so a stream waiting for words never holds up the others, and sleeps when none is. A stream that
+words are there), so a stream waiting for words never holds up the others, and sleeps when none is; streams still
+inside their audio delay also take cheap steps alone between those (`TEXT_ONLY_STEPS`). A stream that
 closes frees its slot at the next step. With `graphs` (CUDA) each half of the step is a captured graph a batch
 bucket (`TTSGen`), captured on the loop thread before `start` returns.
 """
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 PCM_LIMIT = 0.99  # moshi-server's worker clamps the decoded speech to this
+# Streams still inside their audio delay take this many steps alone (no DepFormer, no Mimi: cheap) between two steps
+# of every stream, as moshi-server's worker interleaves them (`interleaved_text_only`): a new stream reaches its first
+# audio in fewer full steps while the others keep speaking.
+TEXT_ONLY_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class SpeechService:
         self._slots: dict[int, _Slot] = {}
         self._free = list(range(max_streams))
         self._running = False
+        self._text_only_left = TEXT_ONLY_STEPS
         self._thread: threading.Thread | None = None
         self.on_step: Listeners[[float, int]] = Listeners("speech step")  # (seconds, streams stepped)
         self.turns: DeviceTurns | None = None  # set when another model's loop steps on this device (`turns`)
@@ -217,7 +223,7 @@ class SpeechService:
                         if (slot := self._slot_of(stream)) is not None:
                             self._end(slot)
             with self.lock:
-                live = self._ready_slots()
+                live = self._chosen(self._ready_slots())
             if live:
                 try:
                     started = time.perf_counter()
@@ -237,6 +243,15 @@ class SpeechService:
     def _ready_slots(self) -> list[int]:
         """Lock held: the slots whose session has begun and may step (`TTSGen.ready`)."""
         return sorted(i for i in self._slots if self.gen.states[i] is not None and self.gen.ready(i))
+
+    def _chosen(self, ready: list[int]) -> list[int]:
+        """The slots to step: those inside their audio delay alone for `TEXT_ONLY_STEPS` steps, then every one."""
+        waiting = [i for i in ready if self.gen.steps[i] < self.model.tts.delay_steps]
+        if waiting and len(waiting) < len(ready) and self._text_only_left > 0:
+            self._text_only_left -= 1
+            return waiting
+        self._text_only_left = TEXT_ONLY_STEPS
+        return ready
 
     def _runnable(self) -> bool:
         return any(s.closing for s in self._slots.values()) or bool(self._ready_slots())
