@@ -1,17 +1,21 @@
 """Voice agents on the CPU: N agents in one duplexd against the same N agents as one process each.
 
-Usage: python bench/agent_turns.py [--agents 4] [--turns 2] [--max-tokens 12]
+Usage: python bench/agent_turns.py [--agents 4] [--turns 2] [--max-tokens 12] [--stagger 1.0]
 duplexd: one `duplexd serve` with the demo STT (its text head leaning to words, as the tests' `words_model`), the
 demo TTS and `--llm demo` (SmolLM2-135M on llama.cpp), N agent sessions at once over real sockets. Reference: the
 model-copy-per-session design of the open cascades (Hugging Face's speech-to-speech `--num_pipelines`, one copy of
 every model per conversation): N processes of the same server, each with its own models and LLM, one agent each.
-Each agent says `--turns` espeak-ng sentences at real-time pace, each ended by a commit and a `response.create`
+Each agent starts `--stagger` seconds after the one before (0: every turn ends at the same moment, and the LLM,
+one CPU thread, takes every prompt at once) and says `--turns` espeak-ng sentences at real-time pace, each ended by
+a commit and a `response.create`
 (turn detection off, so both sides end turns alike), and listens to the reply, the client playing from its first
 audio frame. Per turn: commit → `response.created`, commit → first transcript word (the LLM's first word said by
 the TTS), commit → first audio; late audio frames (frame i after first audio + i x 80 ms); after the last turn, a
-`response.cancel` sent at the reply's first audio → its last audio frame (the cut). Per side: the RSS of every
-process (servers and LLM servers) at the end, and their CPU seconds over the run, per agent. The last line (JSON)
-holds the medians, p99s and the memory ratio.
+`response.cancel` sent at the reply's first audio → its last audio frame (the cut). Per side: the memory of every
+process (servers and LLM servers) at the end, as RSS (shared pages counted in every process: flatters the side with
+more processes less than it costs) and PSS (shared pages split: what the side costs the machine), and their CPU
+seconds over the run, per agent. The last line (JSON) holds the medians, p99s and the memory ratios. At N agents
+the ratio cannot fall below 1/N: one duplexd holds what one per-agent process holds, plus each agent's share.
 """
 
 from __future__ import annotations
@@ -117,20 +121,29 @@ async def agent(port: int, audio: list[np.ndarray], max_tokens: int, turns: Turn
                     break
 
 
-def tree_memory_cpu(pid: int) -> tuple[int, float]:
-    """RSS bytes and CPU seconds (user + system) of `pid` and every process below it, now."""
-    rss, cpu = 0, 0.0
+@dataclass
+class Usage:
+    rss: int = 0  # bytes resident, each process's shared pages (libraries, the mmapped GGUF) counted in full
+    pss: int = 0  # bytes resident, shared pages split among the processes sharing them: what the side costs
+    cpu: float = 0.0  # seconds, user + system
+
+
+def tree_usage(pid: int) -> Usage:
+    """Memory now and CPU so far of `pid` and every process below it."""
+    usage = Usage()
     ticks = 100.0  # os.sysconf("SC_CLK_TCK") on Linux
     for p in [pid, *descendants(pid)]:
         try:
-            status = Path(f"/proc/{p}/status").read_text()
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
             stat = Path(f"/proc/{p}/stat").read_text()
         except OSError:
             continue
-        rss += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+        kb = {line.split(":")[0]: int(line.split()[1]) for line in rollup.splitlines()[1:] if line.endswith("kB")}
+        usage.rss += kb["Rss"] * 1024
+        usage.pss += kb["Pss"] * 1024
         fields = stat[stat.rindex(")") + 2 :].split()
-        cpu += (int(fields[11]) + int(fields[12])) / ticks
-    return rss, cpu
+        usage.cpu += (int(fields[11]) + int(fields[12])) / ticks
+    return usage
 
 
 def start(port: int, sessions: int, stt_root: Path, log: Path) -> subprocess.Popen:
@@ -145,8 +158,12 @@ def start(port: int, sessions: int, stt_root: Path, log: Path) -> subprocess.Pop
 
 async def run_side(ports: list[int], args: argparse.Namespace, audio: list[np.ndarray]) -> Turns:
     turns = Turns()
-    agents = [agent(ports[i % len(ports)], audio, args.max_tokens, turns, cut=True) for i in range(args.agents)]
-    await asyncio.gather(*agents)
+
+    async def after(delay: float, port: int) -> None:
+        await asyncio.sleep(delay)
+        await agent(port, audio, args.max_tokens, turns, cut=True)
+
+    await asyncio.gather(*(after(i * args.stagger, ports[i % len(ports)]) for i in range(args.agents)))
     return turns
 
 
@@ -154,6 +171,7 @@ async def run_side(ports: list[int], args: argparse.Namespace, audio: list[np.nd
 class Side:
     turns: Turns
     rss: int  # bytes, every process of the side at the end
+    pss: int
     cpu: float  # seconds over the run
 
 
@@ -165,15 +183,14 @@ def side(args: argparse.Namespace, audio: list[np.ndarray], stt_root: Path, tmp:
     try:
         for proc, port, i in zip(procs, ports, range(processes), strict=True):
             wait_ready(proc, f"http://127.0.0.1:{port}", tmp / f"serve{i}.log")
-        before = [tree_memory_cpu(p.pid)[1] for p in procs]
+        before = [tree_usage(p.pid).cpu for p in procs]
         turns = asyncio.run(run_side(ports, args, audio))
-        after = [tree_memory_cpu(p.pid) for p in procs]
+        after = [tree_usage(p.pid) for p in procs]  # every process alive: the shared pages split among them all
     finally:
         for proc in procs:
             stop([proc.pid, *descendants(proc.pid)], 10)
-    rss = sum(r for r, _ in after)
-    cpu = sum(c for _, c in after) - sum(before)
-    return Side(turns, rss, cpu)
+    cpu = sum(u.cpu for u in after) - sum(before)
+    return Side(turns, sum(u.rss for u in after), sum(u.pss for u in after), cpu)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -185,6 +202,13 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--turns", type=int, default=2, help="spoken turns per agent")
     parser.add_argument("--max-tokens", type=int, default=12, help="the longest reply")
+    parser.add_argument(
+        "--stagger",
+        type=float,
+        default=1.0,
+        help="seconds between two agents' starts, as users who do not all stop talking at once (0: every turn ends "
+        "at the same moment, the worst case)",
+    )
     args = parser.parse_args()
     from tests.test_asr_e2e import words_model
 
@@ -197,11 +221,16 @@ def main() -> int:
             "per_agent": side(args, audio, stt.root, tmp, args.agents),
         }
     out: dict[str, object] = {"bench": "agent_turns", "agents": args.agents, "turns": args.turns}
-    print(f"voice agents on {platform.machine()}: {args.agents} agents x {args.turns} turns, demo STT/TTS/LLM, CPU")
-    print("side       detect p50 first word p50/p99 first audio p50/p99 late   cut ms  RSS MB/agent CPU s/agent")
+    out["stagger_s"] = args.stagger
+    print(
+        f"voice agents on {platform.machine()}: {args.agents} agents x {args.turns} turns, {args.stagger:g} s apart, "
+        "demo STT/TTS/LLM, CPU"
+    )
+    print("side       detect p50 first word p50/p99 first audio p50/p99 late   cut ms  RSS/PSS MB/agent CPU s/agent")
     for name, result in sides.items():
         t = result.turns
         per_agent_mb = result.rss / args.agents / 2**20
+        pss_mb = result.pss / args.agents / 2**20
         cpu = result.cpu / args.agents
         late = t.late / max(t.frames, 1)
         cut_ms = statistics.median(t.cut_ms) if t.cut_ms else float("nan")
@@ -209,7 +238,7 @@ def main() -> int:
         audio_ms = f"{pct(t.first_audio_ms, 0.5):.0f}/{pct(t.first_audio_ms, 0.99):.0f}"
         print(
             f"{name:<10} {pct(t.detected_ms, 0.5):10.0f} {word:>18} {audio_ms:>19} {late:.3f} {cut_ms:7.0f} "
-            f"{per_agent_mb:12.0f} {cpu:11.1f}"
+            f"{per_agent_mb:8.0f}/{pss_mb:<7.0f} {cpu:11.1f}"
         )
         out |= {
             f"detected_ms_p50_{name}": round(pct(t.detected_ms, 0.5), 1),
@@ -221,9 +250,11 @@ def main() -> int:
             f"cut_ms_p50_{name}": round(statistics.median(t.cut_ms), 1) if t.cut_ms else None,
             f"failed_{name}": t.failed,
             f"rss_mb_per_agent_{name}": round(per_agent_mb, 1),
+            f"pss_mb_per_agent_{name}": round(pss_mb, 1),
             f"cpu_s_per_agent_{name}": round(cpu, 2),
         }
     out["memory_ratio_vs_per_agent"] = round(sides["duplexd"].rss / sides["per_agent"].rss, 3)
+    out["pss_ratio_vs_per_agent"] = round(sides["duplexd"].pss / sides["per_agent"].pss, 3)
     print(json.dumps(out))
     return 0
 

@@ -226,7 +226,8 @@ SMOKE: dict[str, Smoke] = {
     "vad.py": Smoke(("--sessions", "2", "--seconds", "1", "--repeats", "1"), ("ratio_2",)),
     "agent_turns.py": Smoke(
         ("--agents", "1", "--turns", "1", "--max-tokens", "4"),
-        ("memory_ratio_vs_per_agent", "first_audio_ms_p50_duplexd", "late_frac_duplexd", "cut_ms_p50_duplexd"),
+        ("memory_ratio_vs_per_agent", "pss_ratio_vs_per_agent", "first_audio_ms_p50_duplexd", "late_frac_duplexd")
+        + ("cut_ms_p50_duplexd",),
     ),
     "gpu_suite.sh": SUITE,
 }
