@@ -682,6 +682,8 @@ def _add_message(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
         if text:
             messages.append({"role": item.get("role", "user"), "content": text})
     elif kind == "function_call":
+        if not _is_json(item.get("arguments") or "{}"):
+            return  # cut short by the token limit (`incomplete`): never made, and llama.cpp refuses such arguments
         call = {"id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}  # fmt: skip
         last = messages[-1] if messages else None
