@@ -200,6 +200,9 @@ def test_kv_dtype_from_the_settings_and_refusals(monkeypatch):
         (["--gpu-memory", "80GB", "--model", "moshi-13b"], "--model moshi-13b: not a preset"),
         (["--gpu-memory", "80GB", "--model", "demo", "--config", "c.json"], "--config give --model or --config"),
         ([], "--gpu-memory not given, and this machine has no CUDA device"),
+        (["--gpu-memory", "80GB", "--model", "stt-1b", "--llm-share", "1.5"], "--llm-share 1.5: must be a fraction"),
+        (["--gpu-memory", "80GB", "--agents"], "--agents voice agents need a speech-to-text model"),
+        (["--gpu-memory", "80GB", "--model", "stt-1b", "--agents", "--tts-streams", "4"], "--agents give --agents or"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_option(capsys, args, message):
@@ -270,3 +273,23 @@ def test_tts_streams_beside_the_model_are_what_the_speech_service_allocates(caps
     assert main([*int8_mix, "--tts-weights-dtype", "int8"]) == 0
     int8_mixed = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert int8_mixed["tts_memory"] < mixed["tts_memory"] and int8_mixed["sessions"] >= mixed["sessions"]
+
+
+def test_an_llm_beside_takes_its_share_and_agents_are_the_most_that_fit(capsys):
+    """`--llm-share F` sets aside F of the GPU (vLLM's --gpu-memory-utilization) before the engine's pool;
+    `--agents` finds the most N with N STT sessions and N TTS streams: one more stream and they no longer fit."""
+    base = ["--model", "stt-1b", "--gpu-memory", "80GB", "--tts-streams", "16"]
+    alone = _capacity_json(capsys, *base)
+    shared = _capacity_json(capsys, *base, "--llm-share", "0.3")
+    assert shared["llm_memory"] == int(0.3 * 80e9) and shared["llm_share"] == 0.3
+    assert alone["free_for_engine"] - shared["free_for_engine"] == shared["llm_memory"]
+    assert shared["sessions"] < alone["sessions"] and shared["agents"] == 16
+    best = _capacity_json(capsys, "--model", "stt-1b", "--gpu-memory", "80GB", "--llm-share", "0.3", "--agents")
+    n = best["agents"]
+    assert n == best["tts_streams"] and best["sessions"] >= n > 16
+    more = _capacity_json(
+        capsys, "--model", "stt-1b", "--gpu-memory", "80GB", "--llm-share", "0.3", "--tts-streams", str(n + 1)
+    )
+    assert more["sessions"] < n + 1
+    assert main(["capacity", "--model", "stt-1b", "--gpu-memory", "80GB", "--llm-share", "0.3", "--agents"]) == 0
+    assert f"voice agents (an STT session and a TTS stream each): {n}" in capsys.readouterr().out

@@ -58,6 +58,31 @@ def test_the_unmute_compose_file_points_unmute_at_one_duplexd():
     assert services["duplexd"]["build"]["dockerfile"] == "docker/Dockerfile"
 
 
+def test_the_agents_compose_file_serves_agents_with_vllm_beside():
+    """docker/compose.agents.yaml: valid Compose; duplexd's flags are what `duplexd serve` accepts for voice agents
+    (an STT main model, --tts, --llm at the vLLM service's OpenAI API, its model), vLLM parses tool calls, and the
+    two share GPU 0 with the LLM's share that docs/DEPLOY.md sizes."""
+    import argparse
+
+    from duplexd.server import cli
+
+    schema = json.loads((ROOT / "tests" / "data" / "compose_spec.json").read_text())
+    compose = yaml.safe_load(interpolate((DOCKER / "compose.agents.yaml").read_text()))
+    jsonschema.validate(compose, schema, cls=jsonschema.Draft7Validator)
+    duplexd, llm = compose["services"]["duplexd"], compose["services"]["llm"]
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    settings = cli.settings_from_args(parser.parse_args(duplexd["command"]))
+    assert settings.hf_repo.startswith("kyutai/stt-") and settings.tts is not None
+    assert settings.llm == "http://llm:8000/v1" and settings.max_sessions == settings.tts_streams
+    flags = dict(arg.removeprefix("--").split("=", 1) if "=" in arg else (arg[2:], "") for arg in llm["command"])
+    assert settings.llm_model == flags["model"] and "enable-auto-tool-choice" in flags and "tool-call-parser" in flags
+    assert f"--llm-share {flags['gpu-memory-utilization']}" in (ROOT / "docs" / "DEPLOY.md").read_text()
+    for service in (duplexd, llm):
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == ["0"]
+
+
 def test_compose_file_matches_the_compose_schema():
     schema = json.loads((ROOT / "tests" / "data" / "compose_spec.json").read_text())
     compose = yaml.safe_load(interpolate((DOCKER / "compose.yaml").read_text()))

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,23 +93,35 @@ class Capacity:
     at_limit: bool  # the search stopped at SEARCH_LIMIT: at least this many fit
     tts_streams: int = 0  # streams of tts-1.6b set aside beside the model (`duplexd serve --tts`)
     tts_memory: int = 0  # their weights, KV windows, voices' keys and values and Mimi streams
+    llm_share: float = 0.0  # the GPU's fraction an LLM server beside duplexd takes (vLLM's --gpu-memory-utilization)
+    llm_memory: int = 0  # its bytes: llm_share of `memory`
+    agents: int = 0  # with --tts-streams beside an STT model: voice agents, each an STT session and a TTS stream
 
     def lines(self) -> list[str]:
         more = "at least " if self.at_limit else ""
-        return [
-            f"{self.model}: {more}{self.sessions} sessions of {self.window_frames} frames fit with --kv-dtype "
-            f"{self.kv_dtype} in {self.memory / GiB:.1f} GiB",
-            f"  weights: LM {self.lm_weights / GiB:.2f} GiB ({formats(self.lm_weight_dtypes)}), Mimi "
-            f"{self.mimi_weights / GiB:.2f} GiB; CUDA context "
-            + (f"{self.cuda_context / GiB:.2f} GiB (estimate)" if self.cuda_context else "measured"),
-            f"  kept free {self.headroom / GiB:.2f} GiB; Mimi streams {self.mimi_streams / GiB:.2f} GiB for "
-            f"{self.sessions} slots",
-            f"  KV: {self.kv_window / GiB:.3f} GiB per session ({self.kv_window // self.kv_page} pages of "
-            f"{self.page_size} frames), pool {self.kv_pool / GiB:.2f} GiB ({self.kv_pages} pages + scratch)",
-        ] + (
-            [f"  beside it: tts-1.6b with {self.tts_streams} streams, {self.tts_memory / GiB:.2f} GiB"]
-            if self.tts_streams
-            else []
+        return (
+            [
+                f"{self.model}: {more}{self.sessions} sessions of {self.window_frames} frames fit with --kv-dtype "
+                f"{self.kv_dtype} in {self.memory / GiB:.1f} GiB",
+                f"  weights: LM {self.lm_weights / GiB:.2f} GiB ({formats(self.lm_weight_dtypes)}), Mimi "
+                f"{self.mimi_weights / GiB:.2f} GiB; CUDA context "
+                + (f"{self.cuda_context / GiB:.2f} GiB (estimate)" if self.cuda_context else "measured"),
+                f"  kept free {self.headroom / GiB:.2f} GiB; Mimi streams {self.mimi_streams / GiB:.2f} GiB for "
+                f"{self.sessions} slots",
+                f"  KV: {self.kv_window / GiB:.3f} GiB per session ({self.kv_window // self.kv_page} pages of "
+                f"{self.page_size} frames), pool {self.kv_pool / GiB:.2f} GiB ({self.kv_pages} pages + scratch)",
+            ]
+            + (
+                [f"  beside it: tts-1.6b with {self.tts_streams} streams, {self.tts_memory / GiB:.2f} GiB"]
+                if self.tts_streams
+                else []
+            )
+            + (
+                [f"  beside it: an LLM server with {self.llm_share:g} of the GPU, {self.llm_memory / GiB:.2f} GiB"]
+                if self.llm_memory
+                else []
+            )
+            + ([f"  voice agents (an STT session and a TTS stream each): {self.agents}"] if self.agents else [])
         )
 
 
@@ -150,11 +163,13 @@ def capacity(
     weights_dtype: str = "bf16",
     tts_streams: int = 0,
     tts_weights_dtype: str = "bf16",
+    llm_share: float = 0.0,
 ) -> Capacity:
     """Sessions that fit on `device` with `memory` bytes (None: the live device's free memory now);
     `weights_dtype` "int8": the LM's projections as int8 weights, as `--weights-dtype int8` loads them;
     `tts_streams`: that many streams of tts-1.6b (`duplexd serve --tts`, loaded first) take their share first, its
-    projections in `tts_weights_dtype`."""
+    projections in `tts_weights_dtype`; `llm_share`: the fraction of the device's memory an LLM server on the same
+    GPU takes (vLLM takes `--gpu-memory-utilization` of the total, whatever else is there)."""
     lm = build_lm(cfg, "meta", dtype, int8=int8_plan(cfg, set(), weights_dtype))
     with torch.device("meta"):
         mimi = MimiModel(mimi_ring_rule(MIMI_PRESETS[mimi_preset], cfg))  # as the server builds it
@@ -165,7 +180,8 @@ def capacity(
     else:
         free, context = memory, CUDA_CONTEXT
     tts = tts_memory(tts_streams, dtype, tts_weights_dtype) if tts_streams else 0
-    free_for_engine = max(free - context - tts - lm_weights - mimi_weights, 0)
+    llm = int(llm_share * memory)
+    free_for_engine = max(free - context - tts - llm - lm_weights - mimi_weights, 0)
     config = EngineConfig(
         max_sessions=SEARCH_LIMIT, page_size=page_size, max_session_frames=window, device=device, kv_dtype=kv_dtype
     )
@@ -195,7 +211,23 @@ def capacity(
         at_limit=sessions == SEARCH_LIMIT,
         tts_streams=tts_streams,
         tts_memory=tts,
+        llm_share=llm_share,
+        llm_memory=llm,
+        agents=min(sessions, tts_streams) if cfg.text_only else 0,
     )
+
+
+def most_agents(size: Callable[[int], Capacity]) -> Capacity:
+    """The sizing with the most voice agents: N streams of tts-1.6b beside at least N sessions of the STT model
+    (`size(N)`: the sizing with N streams; sessions only fall as streams grow, so a bisection finds N)."""
+    low, high = 0, size(0).sessions
+    while low < high:
+        mid = (low + high + 1) // 2
+        if size(mid).sessions >= mid:
+            low = mid
+        else:
+            high = mid - 1
+    return size(low)
 
 
 def tts_memory(streams: int, dtype: torch.dtype, weights_dtype: str = "bf16") -> int:
@@ -211,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputRefused(f"{args.window}: must be at least 1 frame", "window")
     if args.tts_streams < 0:
         raise InputRefused(f"{args.tts_streams}: must be 0 or more", "tts_streams")
+    if not 0 <= args.llm_share < 1:
+        raise InputRefused(f"{args.llm_share:g}: must be a fraction from 0 up to (not including) 1", "llm_share")
     memory = None if args.gpu_memory is None else parse_size(args.gpu_memory)
     device = "cuda"
     if memory is None:
@@ -220,19 +254,28 @@ def run(args: argparse.Namespace) -> int:
             )
         device = check_device(args.device, "device")
         check_kv_dtype(args.kv_dtype, device)
-    result = capacity(
-        name,
-        cfg,
-        mimi_preset,
-        args.kv_dtype,
-        DTYPES[args.dtype],
-        memory,
-        args.window,
-        device=device,
-        weights_dtype=args.weights_dtype,
-        tts_streams=args.tts_streams,
-        tts_weights_dtype=args.tts_weights_dtype,
-    )
+    if args.agents and not cfg.text_only:
+        raise InputRefused(f"voice agents need a speech-to-text model (stt-1b, stt-2.6b), not {name}", "agents")
+    if args.agents and args.tts_streams:
+        raise InputRefused("give --agents or --tts-streams, not both (--agents picks the streams)", "agents")
+
+    def size(tts_streams: int) -> Capacity:
+        return capacity(
+            name,
+            cfg,
+            mimi_preset,
+            args.kv_dtype,
+            DTYPES[args.dtype],
+            memory,
+            args.window,
+            device=device,
+            weights_dtype=args.weights_dtype,
+            tts_streams=tts_streams,
+            tts_weights_dtype=args.tts_weights_dtype,
+            llm_share=args.llm_share,
+        )
+
+    result = most_agents(size) if args.agents else size(args.tts_streams)
     if not args.json:
         sys.stdout.write("\n".join(result.lines()) + "\n")
     sys.stdout.write(json.dumps(dataclasses.asdict(result)) + "\n")
@@ -269,6 +312,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=WEIGHT_DTYPES,
         default="bf16",
         help="the TTS LM's projections, as duplexd serve --tts-weights-dtype loads them",
+    )
+    p.add_argument(
+        "--llm-share",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="the GPU's memory an LLM server beside duplexd takes (voice agents: vLLM's --gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--agents",
+        action="store_true",
+        help="size voice agents (serve --llm): the most N with N sessions of the STT model and N TTS streams",
     )
     p.add_argument("--window", type=int, metavar="FRAMES", help="session length in frames (default: a full window)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
