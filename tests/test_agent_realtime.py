@@ -26,9 +26,9 @@ from pydantic import TypeAdapter
 
 from duplexd import wire
 
+from .agent_server import running_agent
 from .live_server import running_server
 from .speech import needs_espeak, speak
-from .test_asr_e2e import words_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,12 +48,8 @@ SHORT = {"type": "realtime", "max_output_tokens": 6, "audio": {"input": {"turn_d
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    stt = words_model(tmp_path_factory.mktemp("agent-stt"))
-    log = tmp_path_factory.mktemp("agent-server") / "serve.log"
-    args = ["--hf-repo", str(stt.root), "--tts", "demo-tts", "--tts-temperature", "0", "--llm", "demo"]
-    with running_server(log, *args) as live:
+    with running_agent(tmp_path_factory) as live:
         yield live
-    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
 
 
 @dataclass
