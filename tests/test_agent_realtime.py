@@ -314,7 +314,8 @@ def test_the_models_list_says_what_the_agent_is_made_of(server):
     stt, tts = models[0], next(m for m in models if m.get("task") == "text-to-speech")
     assert agent["hears_with"] == stt["id"] and agent["speaks_with"] == tts["id"]
     assert agent["llm"]["demo"] is True and agent["llm"]["url"].startswith("http://127.0.0.1:")
-    assert agent["endpoints"] == ["/v1/realtime"] and agent["voices"] == tts["voices"]
+    assert agent["endpoints"] == ["/v1/realtime", "/v1/realtime/calls"] and agent["voices"] == tts["voices"]
+    assert stt["protocols"][-2:] == ["/v1/realtime", "/v1/realtime/calls"]  # the built-in page calls over WebRTC
 
 
 def test_a_text_only_out_of_band_response_leaves_the_conversation_alone(server):

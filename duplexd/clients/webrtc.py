@@ -78,7 +78,8 @@ def post(url: str, body: bytes, headers: dict[str, str]) -> Answer:
 
 
 class Caller:
-    """One call: `call` connects, `events` gets the server's events, `heard` the decoded speech (mono, 48 kHz)."""
+    """One call: `call` connects, `events` gets the server's events, `heard` the decoded speech (mono, 48 kHz) and
+    `heard_at` when each of its frames was decoded."""
 
     def __init__(self, mic: np.ndarray | None) -> None:
         """`mic`: the microphone's audio (mono, 48 kHz); None for a caller that only listens (recvonly)."""
@@ -93,6 +94,7 @@ class Caller:
         self.opened = asyncio.Event()
         self.closed = asyncio.Event()
         self.heard: list[np.ndarray] = []
+        self.heard_at: list[float] = []
         self.first_sound: float | None = None  # when the first non-silent frame was decoded
         self.call_id: str | None = None
         self._listener: asyncio.Task | None = None
@@ -115,6 +117,7 @@ class Caller:
             if self.first_sound is None and np.abs(data).max() > 1e-3:
                 self.first_sound = time.monotonic()
             self.heard.append(data.astype(np.float32))
+            self.heard_at.append(time.monotonic())
 
     async def offer(self, strip_candidates: bool = False) -> str:
         await self.pc.setLocalDescription(await self.pc.createOffer())

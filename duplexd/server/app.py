@@ -94,8 +94,10 @@ def create_app(settings: ServerSettings, runtime: Runtime) -> FastAPI:
         app.include_router(asr.router)
         app.include_router(asr_upload.router)
         app.include_router(stt_refusal.router)
-        # with --llm a conversation is a voice agent's (its route serves transcription sessions too)
+        # with --llm a conversation is a voice agent's (its route serves transcription sessions too), on calls too
         app.include_router(agent.router if runtime.agents is not None else transcription.router)
+        if runtime.agents is not None:
+            app.include_router(calls.router)
     else:
         app.include_router(chat.router)
         app.include_router(conversation.router)

@@ -71,11 +71,13 @@ def metrics(ctx: Context) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def protocols(speech_to_text: bool, webrtc: bool = False) -> list[str]:
-    """The endpoints the served model speaks: its WebSockets, and WebRTC calls where they are served."""
+def protocols(speech_to_text: bool, webrtc: bool = False, agent: bool = False) -> list[str]:
+    """The endpoints the served model speaks: its WebSockets, and WebRTC calls where they are served (a speech-to-
+    text model converses only as a voice agent's ears, with `--llm`)."""
+    conversation = ["/v1/realtime", *(["/v1/realtime/calls"] if webrtc else [])]
     if speech_to_text:
-        return [ASR_PATH, "/v1/realtime?intent=transcription"]
-    return ["/api/chat", "/v1/realtime", *(["/v1/realtime/calls"] if webrtc else [])]
+        return [ASR_PATH, "/v1/realtime?intent=transcription", *(conversation if agent else [])]
+    return ["/api/chat", *conversation]
 
 
 @router.get("/v1/models")
@@ -83,6 +85,7 @@ def models(request: Request, ctx: Context) -> dict:
     if not key_ok(request, ctx.settings.api_key):
         raise HTTPException(status_code=401, detail="missing or wrong API key")
     info = ctx.runtime.info
+    webrtc = ctx.settings.webrtc and webrtc_stack.available()
     models: list[dict] = [
         {
             "id": info.id,
@@ -95,7 +98,7 @@ def models(request: Request, ctx: Context) -> dict:
             "frame_size": info.frame_size,
             "devices": list(info.devices),
             "max_sessions": ctx.runtime.capacity(),
-            "protocols": protocols(info.speech_to_text, ctx.settings.webrtc and webrtc_stack.available()),
+            "protocols": protocols(info.speech_to_text, webrtc, ctx.runtime.agents is not None),
             "persona": info.persona,
             "voices": list(info.voices),
         }
@@ -147,7 +150,7 @@ def models(request: Request, ctx: Context) -> dict:
                 "hears_with": info.id,
                 "speaks_with": speech.id,
                 "voices": sorted(speech.voices),
-                "endpoints": ["/v1/realtime"],
+                "endpoints": ["/v1/realtime", *(["/v1/realtime/calls"] if webrtc else [])],
             }
         )
     return {"object": "list", "data": models}

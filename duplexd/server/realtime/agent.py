@@ -39,11 +39,12 @@ from duplexd.engine.agent.reply import Audio, Done, Reply, Speaker, Spoken
 from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.engine.transcription.service import SpeechBegan, SpeechEnded, TranscriptDone
 from duplexd.engine.tts.service import SpeechStream
-from duplexd.server.connection.access import offered_subprotocols
+from duplexd.server.connection.access import offered_subprotocols, presented_key
 from duplexd.server.connection.admission import serve
-from duplexd.server.connection.pump import Pump, text_frame
+from duplexd.server.connection.pump import Pump, Socket, text_frame
 from duplexd.server.connection.speech import open_speech, speech_of
 from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.realtime.webrtc import sideband
 from duplexd.server.stt.session import admitted, asr_parameters
 from duplexd.server.stt.turns import Turns
 
@@ -98,7 +99,7 @@ class Running:
 class AgentAdapter(TranscriptionAdapter):
     name = "agent"
 
-    def __init__(self, ws: WebSocket, ctx: ServerContext) -> None:
+    def __init__(self, ws: Socket, ctx: ServerContext) -> None:
         super().__init__(ws, ctx)
         agents = ctx.runtime.agents
         assert agents is not None
@@ -142,8 +143,15 @@ class AgentAdapter(TranscriptionAdapter):
             (self.input_audio.format, self.output_audio.format),
         )
 
-    async def greet(self, pump: Pump) -> None:
+    async def greet(self, pump: Pump, session: dict[str, Any] | None = None) -> None:
+        """`session.created`, after `session` (the configuration an ephemeral key or a call's offer carried) is
+        applied as a `session.update` would be (a refused one is told as a non-fatal error)."""
         self.feeder = admitted(self.ctx, pump)
+        if session:
+            try:
+                self.update_session(aev.parse_session(session))
+            except ev.RealtimeError as e:
+                await self.send_text(e.event())
         await self.send_text(ev.session_created(self.session_object()))
         self.idle_task = asyncio.create_task(self.watch_idle(), name=f"agent-idle-{self.session_id}")
 
@@ -273,16 +281,24 @@ class AgentAdapter(TranscriptionAdapter):
                         "response_cancel_not_active", "there is no response under way to cancel", event.event_id
                     )
                 self.cancel("client_cancelled")
-            else:  # output_audio_buffer.clear, transcription_session.update
+            elif isinstance(event, ev.OutputClear):
+                await self.clear_output(event)
+            else:  # transcription_session.update
                 raise ev.RealtimeError(
-                    "unsupported_event",
-                    f"{event.type} is not part of a voice agent's WebSocket session (output_audio_buffer.clear is a "
-                    "WebRTC call's)",
-                    event.event_id,
+                    "unsupported_event", f"{event.type} is not part of a voice agent's session", event.event_id
                 )
         except ev.RealtimeError as e:
             await self.send_text(e.event())
         return None  # pushed by the feeder
+
+    async def clear_output(self, event: ev.OutputClear) -> None:
+        """`output_audio_buffer.clear` is a WebRTC call's (`webrtc/agent_call.py`): on a WebSocket the client holds
+        the audio it was sent."""
+        raise ev.RealtimeError(
+            "unsupported_event",
+            "output_audio_buffer.clear is for WebRTC calls: on a WebSocket the client holds the audio it was sent",
+            event.event_id,
+        )
 
     async def commit(self, event: tev.Commit) -> None:
         """A transcription session's commit, its transcript awaited by a response asked for meanwhile."""
@@ -361,15 +377,16 @@ class AgentAdapter(TranscriptionAdapter):
         self.feeder.answer(out.frame + 1)
         for event in self.turns.step(step):
             item_id = self.items.item(event.item).id if isinstance(event, TranscriptDone) else ""
+            after: list[str] = []
             if isinstance(event, SpeechBegan):
                 self.user_speaking = True
                 self.activity.set()
-                if self.running is not None and self.interrupts():
-                    self.cancel("turn_detected")  # barge-in: before speech_started goes out
+                if self.interrupts():
+                    after = self.barge_in()  # before speech_started goes out
             elif isinstance(event, SpeechEnded | TranscriptDone) and self.user_speaking:
                 self.user_speaking = False
                 self.quiet(time.monotonic())
-            await self.send_lines(self.items.events(event))
+            await self.send_lines(self.items.events(event) + after)
             if isinstance(event, TranscriptDone):
                 user = self.items.retrieved(item_id)
                 assert user is not None
@@ -384,6 +401,13 @@ class AgentAdapter(TranscriptionAdapter):
 
     def interrupts(self) -> bool:
         return self.turn_detection is not None and self.turn_detection.interrupt_response
+
+    def barge_in(self) -> list[str]:
+        """The user started speaking: the response under way is cancelled. Returns what to send after
+        `speech_started` (a call's `output_audio_buffer.cleared`; nothing on a WebSocket)."""
+        if self.running is not None:
+            self.cancel("turn_detected")
+        return []
 
     # ------------------------------------------------------------------------------------------- responses
 
@@ -546,9 +570,18 @@ class AgentAdapter(TranscriptionAdapter):
             await asyncio.sleep(wait)
         while words and words[0][1] <= audio.frame + 1:
             await self.release_word(r, *words.popleft())
-        delta = self.part_event("response.output_audio.delta", r, delta=self.output_audio.base64(audio.pcm))
-        if await self.send_live(r, delta):
+        if await self.play(r, audio):
             r.frames_sent = audio.frame + 1
+
+    async def play(self, r: Running, audio: Audio) -> bool:
+        """One frame of `r`'s speech to the client unless `r` was cancelled: a delta on the WebSocket (a call plays
+        it on its track)."""
+        delta = self.part_event("response.output_audio.delta", r, delta=self.output_audio.base64(audio.pcm))
+        return await self.send_live(r, delta)
+
+    def played_ms(self, r: Running) -> int:
+        """How much of `r`'s speech the client has played (on a WebSocket, as far as the server can tell)."""
+        return r.played_ms()
 
     async def release_word(self, r: Running, word: str, frame: int) -> None:
         delta = self.part_event("response.output_audio_transcript.delta", r, delta=word if not r.heard else f" {word}")
@@ -568,7 +601,7 @@ class AgentAdapter(TranscriptionAdapter):
         if r.message_id is None:
             return
         if r.audio:
-            text = _heard(r.heard, r.played_ms() if r.cancelled is not None else None)
+            text = _heard(r.heard, self.played_ms(r) if r.cancelled is not None else None)
             lines = [
                 self.part_event("response.output_audio.done", r),
                 self.part_event("response.output_audio_transcript.done", r, transcript=text),
@@ -616,6 +649,7 @@ class AgentAdapter(TranscriptionAdapter):
         ])  # fmt: skip
 
     async def finish(self, r: Running, done: Done | None) -> None:
+        self.ctx.metrics.on_agent_reply(r.reply.times.stages())
         usage = aev.usage_object(0, 0)
         if done is not None and done.usage is not None:
             usage = aev.usage_object(done.usage.prompt_tokens, done.usage.completion_tokens)
@@ -702,9 +736,18 @@ async def agent_session(ws: WebSocket, ctx: Context) -> None:
     if ws.query_params.get("intent") == tev.INTENT:
         await transcription_session(ws, ctx)
         return
-    adapter = AgentAdapter(ws, ctx)
     subprotocol = ev.SUBPROTOCOL if ev.SUBPROTOCOL in offered_subprotocols(ws) else None
+    call_id = ws.query_params.get("call_id")
+    if call_id is not None:  # a sideband on a WebRTC call
+        await sideband.attach(ws, ctx, call_id, subprotocol)
+        return
+    adapter = AgentAdapter(ws, ctx)
+
+    async def greet(pump: Pump) -> None:
+        key = ctx.client_secrets.get(presented_key(ws))
+        await adapter.greet(pump, key.session if key is not None else None)
+
     try:
-        await serve(ctx, ws, adapter, subprotocol, asr_parameters, adapter.greet)
+        await serve(ctx, ws, adapter, subprotocol, asr_parameters, greet)
     finally:
         await adapter.aclose()

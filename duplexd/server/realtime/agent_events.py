@@ -12,9 +12,12 @@ them. A session reads what a cascade can honour: `instructions`, `tools`, `tool_
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from duplexd.server.connection.closing import Close
 
 from .audio_formats import BETA_NAMES, Format, format_object
 from .events import (
@@ -230,6 +233,17 @@ EVENTS: TypeAdapter[Event] = TypeAdapter(Annotated[Event, Field(discriminator="t
 def parse_event(text: str) -> Event:
     """A client event of an agent session; `Close` or `RealtimeError` as in a conversation."""
     return parse_with(EVENTS, text)
+
+
+def parse_session(session: dict[str, Any]) -> SessionUpdate:
+    """A configuration given outside an event (an ephemeral key's, a call's) as the agent's `session.update`;
+    `RealtimeError` naming what is wrong in it."""
+    try:
+        event = parse_event(json.dumps({"type": "session.update", "session": session}))
+    except Close as e:
+        raise RealtimeError("invalid_value", e.message, None, "session") from None
+    assert isinstance(event, SessionUpdate)
+    return event
 
 
 def max_tokens(value: MaxTokens | None) -> int | None:

@@ -29,7 +29,7 @@ from duplexd.engine.dialogue.session import SessionOutput
 from duplexd.server.connection.access import offered_subprotocols
 from duplexd.server.connection.admission import serve
 from duplexd.server.connection.closing import Close, CloseCode
-from duplexd.server.connection.pump import Adapter, Pump, text_frame
+from duplexd.server.connection.pump import Adapter, Pump, Socket, text_frame
 from duplexd.server.core.context import Context, ServerContext
 from duplexd.server.stt.feeder import Feeder
 from duplexd.server.stt.session import admitted, asr_parameters, new_stream
@@ -72,7 +72,7 @@ class Flushes:
 class TranscriptionAdapter(Adapter):
     name = "transcription"
 
-    def __init__(self, ws: WebSocket, ctx: ServerContext) -> None:
+    def __init__(self, ws: Socket, ctx: ServerContext) -> None:
         super().__init__(ws)
         self.ctx = ctx
         self.session_id = ev.new_id("sess")

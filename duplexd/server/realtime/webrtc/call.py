@@ -2,9 +2,13 @@
 
 The call is admitted before it is answered (a full or draining server answers the POST with an error, not with a
 call that never speaks), then runs as a WebSocket session does, through the same pump and the same event
-handlers (`RealtimeAdapter`), with three differences: events ride the `oai-events` data channel, the caller's
-audio arrives on the media track instead of `input_audio_buffer.append`, and the model's speech goes out on the
-outgoing track (`response.output_audio.delta` is not sent; `output_audio_buffer.started` / `.cleared` are).
+handlers, with three differences: events ride the `oai-events` data channel, the caller's audio arrives on the
+media track instead of `input_audio_buffer.append`, and the speech goes out on the outgoing track
+(`response.output_audio.delta` is not sent; `output_audio_buffer.started` / `.cleared` are).
+
+The Realtime protocol drives either a Moshi conversation (`CallAdapter`, a `RealtimeAdapter`) or a voice agent
+(`agent_call.AgentCall`, an `AgentAdapter`) behind one interface, `CallSide`: the call hands it the caller's audio,
+and it speaks on the call's track. The routes pick which by the server's model (`calls.py`).
 
 A call that has not opened its data channel `--webrtc-connect-timeout` seconds after its offer is ended: a client
 that gives up while connecting never hangs up. A server hang-up (`/hangup`, the drain, an error) sends its last
@@ -18,19 +22,18 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
-from starlette.websockets import WebSocket
 
 from duplexd.engine.dialogue.session import Session, SessionOutput
 from duplexd.server.codec import libopus
 from duplexd.server.codec.streams import library
-from duplexd.server.connection.closing import Close, CloseCode
-from duplexd.server.connection.pump import Pump, close_socket
+from duplexd.server.connection.closing import Close
+from duplexd.server.connection.pump import Adapter, Pump
 from duplexd.server.core.context import ServerContext
 from duplexd.server.realtime import events as ev
 from duplexd.server.realtime.conversation import RealtimeAdapter
@@ -42,7 +45,6 @@ from .tracks import RATE, HeardAudio, SpeechTrack
 
 logger = logging.getLogger(__name__)
 
-SIDEBAND_SEND_SECONDS = 2.0
 AUDIO_GATE_SECONDS = 1.0  # audio waits this long after the channel opens for the client's first session.update
 LAST_EVENT_SECONDS = 1.0
 OPUS_BITRATE = 32_000  # mono speech at 24 kHz: what a voice needs (aiortc's own encoder sends 96 kb/s stereo)
@@ -52,23 +54,44 @@ class BadOffer(ValueError):
     """The SDP offer cannot make a call (unparsable, or no audio to answer)."""
 
 
+class CallSide(Protocol):
+    """What a call needs of the adapter that serves it (an `Adapter` the pump runs, on the call's channel)."""
+
+    audio_open: asyncio.Event  # set once the caller's first event is handled: its audio is taken from then on
+
+    async def start(self, pump: Pump, session: dict[str, Any] | None) -> None:
+        """The greeting, after `session` (the offer's or the ephemeral key's configuration) is applied."""
+
+    async def take_audio(self, pcm: np.ndarray) -> np.ndarray | None:
+        """The caller's audio from the track (mono float32 at the model's rate): what to push into the session, or
+        None when the adapter feeds it itself."""
+
+    def session_created(self) -> str:
+        """The `session.created` event a sideband socket is greeted with."""
+
+    async def aclose(self) -> None:
+        """The call is over: whatever the adapter still runs stops."""
+
+
+AdapterFactory = Callable[[ChannelSocket, ServerContext, SpeechTrack], CallSide]
+
+
 class CallAdapter(RealtimeAdapter):
+    """A Moshi conversation on a call: the model's every frame on the track, its text on the channel."""
+
     name = "webrtc"
 
     def __init__(self, socket: ChannelSocket, ctx: ServerContext, track: SpeechTrack) -> None:
         super().__init__(socket, ctx)
         self.track = track
-        self.sidebands: set[WebSocket] = set()  # control sockets attached by `?call_id=` (sideband.py)
         self.audio_open = asyncio.Event()  # the caller's audio is taken once its first event is handled
 
-    async def send_text(self, data: str) -> None:
-        """On the data channel, and to every sideband (one that cannot take it in time is dropped)."""
-        await super().send_text(data)
-        for ws in list(self.sidebands):
-            try:
-                await asyncio.wait_for(ws.send_text(data), SIDEBAND_SEND_SECONDS)
-            except Exception:  # noqa: BLE001 - its reader sees it gone; the call goes on
-                self.sidebands.discard(ws)
+    def session_created(self) -> str:
+        assert self.pump is not None
+        return ev.session_created(self.session_object(self.pump.session.params))
+
+    async def aclose(self) -> None:
+        pass
 
     async def on_message(self, message: dict) -> np.ndarray | None:
         pcm = await super().on_message(message)
@@ -98,23 +121,25 @@ class CallAdapter(RealtimeAdapter):
         for message in messages:
             await self.send_text(message)
 
-    async def end_sidebands(self) -> None:
-        for ws in list(self.sidebands):
-            await close_socket(ws, Close(CloseCode.NORMAL, "call_ended", "the call ended"), SIDEBAND_SEND_SECONDS)
-        self.sidebands.clear()
-
 
 class Call:
     """A call from its offer to its end; `run` is its task."""
 
-    def __init__(self, call_id: str, ctx: ServerContext, session: Session, config: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        call_id: str,
+        ctx: ServerContext,
+        session: Session,
+        config: dict[str, Any] | None,
+        adapter: AdapterFactory = CallAdapter,
+    ) -> None:
         settings = ctx.settings
         stack.tune(settings.webrtc_jitter_frames, tuple(settings.webrtc_hosts))
         self.id, self.ctx, self.session, self.config = call_id, ctx, session, config
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=stack.ice_servers(settings.webrtc_ice_servers)))
         self.track = SpeechTrack()
         self.socket = ChannelSocket(self.hang_up)
-        self.adapter = CallAdapter(self.socket, ctx, self.track)
+        self.adapter = adapter(self.socket, ctx, self.track)
         self.pump: Pump | None = None
         self.task: asyncio.Task | None = None  # `run`, held here while the call is in `ServerContext.calls`
         self.ending = False  # its session is over and it is hanging up: no longer a call in progress
@@ -168,6 +193,7 @@ class Call:
                 return
             if self.socket.client_state.name == "DISCONNECTED":
                 return
+            assert isinstance(self.adapter, Adapter)
             pump = self.pump = Pump(self.adapter, self.session, ctx.limits, metrics, ctx.runtime.transcription)
             ctx.drain.add(pump)
             listener = asyncio.create_task(self._listen(), name="call-audio")
@@ -184,7 +210,8 @@ class Call:
         finally:
             self.ending = True  # before the caller can see the connection close: `/hangup` then finds no call
             self.session.close("client")
-            await self.adapter.end_sidebands()
+            await self.adapter.aclose()
+            await self.socket.end_sidebands()
             await self.hang_up()
 
     async def _listen(self) -> None:
@@ -196,10 +223,12 @@ class Call:
         async for pcm in frames:
             if self.adapter.audio_open.is_set() and len(pcm):
                 try:
-                    pump.push(await self.adapter.take_audio(pcm))
+                    taken = await self.adapter.take_audio(pcm)
                 except Close as close:  # the persona's prompt found no room: the call ends as a socket would
                     pump.end(close)
                     return
+                if taken is not None and len(taken):
+                    pump.push(taken)
 
     async def _frames(self) -> AsyncIterator[np.ndarray]:
         heard = HeardAudio()

@@ -8,8 +8,9 @@
   the server's key, for web pages.
 
 Errors are OpenAI's JSON shape (`ApiError`, turned into its response by the app's handler). The call itself is
-`call.py`; aiortc is imported only when a call comes, and without the `webrtc` extra these routes answer 501
-naming it.
+`call.py`: a Moshi conversation, or a voice agent on a server with `--llm` (`agent_call.py`, its session and keys
+read as an agent's); aiortc is imported only when a call comes, and without the `webrtc` extra these routes answer
+501 naming it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from duplexd.server.connection.closing import Close, CloseCode
 from duplexd.server.connection.query import BadQuery, sampling_from_query
 from duplexd.server.core.api_error import ApiError
 from duplexd.server.core.context import Context, ServerContext
+from duplexd.server.realtime import agent_events as aev
 from duplexd.server.realtime import events as ev
+from duplexd.server.stt.session import asr_parameters
 
 from . import stack
 
@@ -114,18 +117,21 @@ async def create_call(request: Request, ctx: Context) -> Response:
     runtime, metrics = ctx.runtime, ctx.metrics
     if not runtime.ready:
         raise ApiError(503, runtime.failed or "the server is warming up: try again shortly", "not_ready")
-    try:
-        params = sampling_from_query(request.query_params)
+    agent = ctx.runtime.agents is not None
+    try:  # an agent hears with the STT model, which takes no sampling (as its WebSocket)
+        params = asr_parameters()[0] if agent else sampling_from_query(request.query_params)
     except BadQuery as e:
         raise ApiError(400, str(e), "invalid_parameter") from None
     try:
         session = admit(ctx, "webrtc", params)
     except Refusal as r:
         raise ApiError(503 if r.busy else 400, str(r), r.error) from None
-    from .call import BadOffer, Call  # noqa: PLC0415 - aiortc, the optional extra
+    # aiortc, the optional extra, from here on
+    from .agent_call import AgentCall  # noqa: PLC0415
+    from .call import BadOffer, Call, CallAdapter  # noqa: PLC0415
 
     call_id = ev.new_id("rtc")
-    call = Call(call_id, ctx, session, config)
+    call = Call(call_id, ctx, session, config, AgentCall if agent else CallAdapter)
     try:
         answer = await call.answer(sdp)
     except BadOffer as e:
@@ -168,7 +174,7 @@ async def hangup(request: Request, ctx: Context, call_id: str) -> Response:
 def _mint(ctx: ServerContext, seconds: float, session: dict[str, Any]) -> ClientSecret:
     """A key for `session`, checked as the `session.update` its sessions will start with."""
     try:
-        ev.parse_session(_own(session))
+        (aev.parse_session if ctx.runtime.agents is not None else ev.parse_session)(_own(session))
     except ev.RealtimeError as e:
         raise ApiError(400, e.message, e.code, e.param) from None
     return ctx.client_secrets.mint(seconds, session)

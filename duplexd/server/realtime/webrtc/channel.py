@@ -2,7 +2,8 @@
 
 The Realtime API's events travel on it exactly as on `/v1/realtime`'s socket, so the same adapter handles them.
 A message received is an ASGI `websocket.receive`; the channel or the peer connection ending is a
-`websocket.disconnect` (code 1000: a client hang-up is a normal end); `close` hangs the call up.
+`websocket.disconnect` (code 1000: a client hang-up is a normal end); `close` hangs the call up. What is sent goes
+to the call's sideband sockets too (`sideband.py`), whichever adapter sends it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from typing import Any
 
 from starlette.datastructures import Headers, QueryParams
 from starlette.types import Message
-from starlette.websockets import WebSocketState
+from starlette.websockets import WebSocket, WebSocketState
+
+from duplexd.server.connection.closing import Close, CloseCode
+from duplexd.server.connection.pump import close_socket
+
+SIDEBAND_SEND_SECONDS = 2.0
 
 
 class ChannelSocket:
@@ -25,6 +31,7 @@ class ChannelSocket:
         self.query_params, self.headers = QueryParams(), Headers()
         self.client_state = WebSocketState.CONNECTING
         self.application_state = WebSocketState.CONNECTED
+        self.sidebands: set[WebSocket] = set()  # control sockets attached by `?call_id=` (sideband.py)
 
     def attach(self, channel: Any) -> None:
         """The caller's channel: its messages are this socket's from now on."""
@@ -58,7 +65,19 @@ class ChannelSocket:
         return await self._inbox.get()
 
     async def send_text(self, data: str) -> None:
+        """On the data channel, and to every sideband (one that cannot take it in time is dropped)."""
         self._send(data)
+        for ws in list(self.sidebands):
+            try:
+                await asyncio.wait_for(ws.send_text(data), SIDEBAND_SEND_SECONDS)
+            except Exception:  # noqa: BLE001 - its reader sees it gone; the call goes on
+                self.sidebands.discard(ws)
+
+    async def end_sidebands(self) -> None:
+        """The call ended: each sideband is closed (1000)."""
+        for ws in list(self.sidebands):
+            await close_socket(ws, Close(CloseCode.NORMAL, "call_ended", "the call ended"), SIDEBAND_SEND_SECONDS)
+        self.sidebands.clear()
 
     async def send_bytes(self, data: bytes) -> None:
         self._send(data)

@@ -34,9 +34,9 @@ async def attach(ws: WebSocket, ctx: ServerContext, call_id: str, subprotocol: s
             raise Close(CloseCode.POLICY_VIOLATION, *denied)
         if call is None or call.pump is None or call.ending:
             raise Close(CloseCode.POLICY_VIOLATION, "call_id_not_found", f"no call {call_id!r} in progress")
-        call.adapter.sidebands.add(ws)
+        call.socket.sidebands.add(ws)
         logger.info("call %s: sideband attached", call_id)
-        await ws.send_text(ev.session_created(call.adapter.session_object(call.pump.session.params)))
+        await ws.send_text(call.adapter.session_created())
         await call.pump.read(ws)  # its events act on the call, as the caller's do
     except Disconnected:
         pass
@@ -45,6 +45,6 @@ async def attach(ws: WebSocket, ctx: ServerContext, call_id: str, subprotocol: s
             await ws.send_text(ev.close_error(close))
         await close_socket(ws, close, ctx.settings.send_timeout)
     finally:
-        if call is not None and ws in call.adapter.sidebands:
-            call.adapter.sidebands.discard(ws)
+        if call is not None and ws in call.socket.sidebands:
+            call.socket.sidebands.discard(ws)
             logger.info("call %s: sideband detached", call_id)
