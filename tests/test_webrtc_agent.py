@@ -6,6 +6,7 @@ the `openai` SDK's GA `RealtimeServerEvent`.
 As in tests/test_agent_realtime.py, what the 135M demo LLM guarantees is asserted, not what it chooses: a reply in
 words, played on the track at real time between `output_audio_buffer.started` and `.stopped`; a forced call of the
 one tool offered with schema-valid arguments, its output answered in speech; a barge-in that empties the track.
+Then OpenAI's own browser SDK, in headless Chromium, places a call with a function tool (`browser_sdk.py`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,21 @@ import json
 import time
 from dataclasses import dataclass, field
 
+import httpx2
 import jsonschema
 import numpy as np
 import pytest
 import soxr
 
+from duplexd.clients.audio import write_wav
 from duplexd.wire import SAMPLE_RATE
 
+from .browser import CHROMIUM, launch_args
+from .browser_sdk import page_origin as serve_page
+from .browser_sdk import sdk_bundle
 from .live_server import running_server
 from .speech import needs_espeak, speak
+from .system_tools import needs
 from .test_agent_realtime import SERVER_EVENTS, VOLUME, completed_calls, finished
 from .test_asr_e2e import words_model
 
@@ -240,3 +247,96 @@ def test_barge_in_clears_the_track_and_cancels_the_response(server, tmp_path):
     kept = retrieved["item"]["content"][0]["transcript"]
     assert released.startswith(kept) and retrieved["item"]["status"] == "incomplete"
     wait_idle(server)
+
+
+AGENT_PAGE = """<!doctype html><meta charset="utf-8"><title>agents-realtime, a tool</title>
+<script type="module">
+import { RealtimeAgent, RealtimeSession, OpenAIRealtimeWebRTC, tool } from "./sdk.js";
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// One call with a function tool the session forces: the SDK runs it here and sends its output; the page then
+// lets the agent answer in words (tool_choice none) and waits for that answer to have played.
+window.call = async (base, key) => {
+  const events = [], errors = [], calls = [];
+  const transport = new OpenAIRealtimeWebRTC({ baseUrl: base + "/v1/realtime/calls" });
+  transport.on("*", (e) => events.push(e));
+  const setVolume = tool({
+    name: "set_volume",
+    description: "Set the speaker volume.",
+    parameters: { type: "object", properties: { level: { type: "integer", minimum: 0, maximum: 10 } },
+                  required: ["level"], additionalProperties: false },
+    execute: async (args) => {
+      calls.push(args);
+      transport.sendEvent({ type: "session.update", session: { type: "realtime", tool_choice: "none" } });
+      return "the volume is set";
+    },
+  });
+  const agent = new RealtimeAgent({ name: "duplexd", instructions: "Answer briefly.", tools: [setVolume] });
+  const session = new RealtimeSession(agent, { transport, config: {
+    toolChoice: { type: "function", name: "set_volume" }, audio: { input: { turnDetection: null } } } });
+  session.on("error", (e) => errors.push(JSON.stringify(e.error)));
+  await session.connect({ apiKey: key });
+  session.sendMessage("Quieter please.");
+  const answered = () => events.some((e) => e.type === "output_audio_buffer.stopped")
+    && events.some((e) => e.type === "response.done" && e.response.output.some((o) => o.type === "message"));
+  const deadline = performance.now() + 90000;
+  while (performance.now() < deadline && !answered()) await sleep(100);
+  let packets = 0, energy = 0;
+  (await transport.connectionState.peerConnection.getStats()).forEach((s) => {
+    if (s.type === "inbound-rtp" && s.kind === "audio") { packets = s.packetsReceived; energy = s.totalAudioEnergy; }
+  });
+  const callId = transport.callId;
+  session.close();
+  return { events, errors, calls, packets, energy, callId };
+};
+window.ready = true;
+</script>"""
+
+
+@needs("chromium")
+def test_openais_browser_sdk_calls_the_agent_runs_its_tool_and_hears_the_answer(server, tmp_path):
+    """`@openai/agents-realtime` 0.20.0 in headless Chromium over WebRTC (an `ek_` key, from a page on another
+    origin): the session forces the agent's function tool, the SDK runs it in the page and sends its output, the
+    agent answers in speech played from the track, and the session sees no `error`."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    minted = httpx2.post(f"{server.url}/v1/realtime/client_secrets", json={"session": {"type": "realtime"}}, timeout=10)
+    key = minted.json()["value"]
+    wav = tmp_path / "mic.wav"
+    write_wav(str(wav), np.zeros(SAMPLE_RATE, np.float32))  # the microphone Chromium captures: quiet
+    with serve_page(tmp_path, AGENT_PAGE, sdk_bundle()) as origin, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=launch_args(wav))
+        try:
+            page = browser.new_page()
+            page_errors: list[str] = []
+            page.on("pageerror", lambda e: page_errors.append(str(e)))
+            page.goto(f"{origin}/index.html")
+            page.wait_for_function("window.ready === true", timeout=30000)
+            result = page.evaluate("([base, key]) => window.call(base, key)", [server.url, key])
+        finally:
+            browser.close()
+    events = result["events"]
+    assert not page_errors and not result["errors"], (page_errors, result["errors"])
+    assert not [e for e in events if e["type"] == "error"]
+    for event in events:
+        SERVER_EVENTS.validate_json(json.dumps(event), strict=True)
+    assert result["calls"]  # the tool ran in the page, with arguments its schema allows (the LLM may call it twice)
+    for args in result["calls"]:
+        jsonschema.validate(
+            args, {"type": "object", "properties": {"level": {"type": "integer"}}, "required": ["level"]}
+        )
+    done = [e["response"] for e in events if e["type"] == "response.done"]
+    assert {(o["type"], o["name"]) for o in done[0]["output"]} == {("function_call", "set_volume")}
+    answer = done[-1]
+    assert (
+        finished(answer)
+        and answer["output"][0]["type"] == "message"
+        and answer["output"][0]["content"][0]["transcript"]
+    )
+    outputs = [
+        e for e in events if e["type"] == "conversation.item.added" and e["item"]["type"] == "function_call_output"
+    ]
+    assert outputs and outputs[0]["item"]["call_id"] == done[0]["output"][0]["call_id"]
+    assert any(e["type"] == "output_audio_buffer.started" and e["response_id"] == answer["id"] for e in events)
+    assert not [e for e in events if e["type"] == "response.output_audio.delta"]
+    assert result["callId"].startswith("rtc_") and result["packets"] > 50 and result["energy"] > 0
+    wait_idle(server)  # close() hung up

@@ -8,21 +8,13 @@ Each transport runs against a server without a transcriber and one with one (`--
 session sees an `error`: the SDK asks for input transcription by default (without a transcriber,
 `session.updated` shows it off); it retrieves each user item once its transcript is complete, and on the WebSocket
 it truncates the model's item and cancels the response whenever the user starts speaking, then retrieves that item
-too. The SDK is bundled once with esbuild (also from npm) and cached outside the repository.
+too. The SDK is bundled once with esbuild (also from npm) and cached outside the repository (`browser_sdk.py`).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import http.server
 import json
-import os
 import re
-import shutil
-import subprocess
-import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -35,19 +27,15 @@ from duplexd.clients.audio import speech_like, write_wav
 from duplexd.wire import SAMPLE_RATE
 
 from .browser import CHROMIUM, launch_args
-from .live_server import free_port, running_server, running_side_by_side
-from .system_tools import needs, require
+from .browser_sdk import page_origin as serve_page
+from .browser_sdk import sdk_bundle as bundle_sdk
+from .live_server import running_server, running_side_by_side
+from .system_tools import needs
 
 sync_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("aiortc")
 pytestmark = needs("chromium")
 
-SDK = "@openai/agents-realtime@0.20.0"
-ESBUILD = "esbuild@0.28.2"
-ENTRY = (
-    "export { RealtimeAgent, RealtimeSession, OpenAIRealtimeWebRTC, OpenAIRealtimeWebSocket } "
-    "from '@openai/agents-realtime';\n"
-)
 KEY = "sdk-key"
 TRANSCRIBER = "gemma4-demo"  # the model id the server gives its demo transcriber
 PAGE = """<!doctype html><meta charset="utf-8"><title>agents-realtime</title>
@@ -101,31 +89,7 @@ window.ready = true;
 
 @pytest.fixture(scope="module")
 def sdk_bundle() -> Path:
-    """The SDK as one ES module (esbuild), cached under ~/.cache/duplexd-test/npm by version and entry."""
-    require("node")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duplexd-test" / "npm"
-    name = SDK.lstrip("@").replace("/", "-").replace("@", "-")
-    bundle = cache / f"{name}-{hashlib.sha256(ENTRY.encode()).hexdigest()[:8]}" / "sdk.js"
-    if bundle.exists():
-        return bundle
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        install = subprocess.run(["npm", "install", "--no-audit", "--no-fund", SDK, ESBUILD], cwd=tmp,
-                                 capture_output=True, text=True, timeout=300)  # fmt: skip
-        if install.returncode:
-            pytest.skip(f"npm install {SDK} failed: {(install.stderr or install.stdout).strip()[-300:]}")
-        entry = Path(tmp) / "entry.js"
-        entry.write_text(ENTRY)
-        built = subprocess.run(
-            [str(Path(tmp) / "node_modules/.bin/esbuild"), str(entry), "--bundle", "--format=esm",
-             "--platform=browser", f"--outfile={Path(tmp) / 'sdk.js'}"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if built.returncode:  # the bundler's own binary (an npm optional dependency) did not come: the machine's
-            pytest.skip(f"esbuild could not bundle the SDK: {built.stderr.strip()[-300:]}")
-        bundle.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(Path(tmp) / "sdk.js", bundle)
-    return bundle
+    return bundle_sdk()
 
 
 @pytest.fixture(scope="module")
@@ -140,16 +104,9 @@ def page_origin(tmp_path_factory, sdk_bundle, mic):
     """The web app: its page, the bundle and the audio its WebSocket session sends, served from another origin
     than the API."""
     root = tmp_path_factory.mktemp("app")
-    (root / "index.html").write_text(PAGE)
-    shutil.copy(sdk_bundle, root / "sdk.js")
     (root / "mic.pcm").write_bytes(wire.pcm16(mic).tobytes())
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *a: None  # type: ignore[method-assign]
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with serve_page(root, PAGE, sdk_bundle) as origin:
+        yield origin
 
 
 @pytest.fixture(scope="module")
