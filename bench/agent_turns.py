@@ -14,7 +14,9 @@ the TTS), commit → first audio; late audio frames (frame i after first audio +
 `response.cancel` sent at the reply's first audio → its last audio frame (the cut). Per side: the memory of every
 process (servers and LLM servers) at the end, as RSS (shared pages counted in every process: flatters the side with
 more processes less than it costs) and PSS (shared pages split: what the side costs the machine), and their CPU
-seconds over the run, per agent. The last line (JSON) holds the medians, p99s and the memory ratios. At N agents
+seconds over the run, per agent; and from each server's /metrics, where a reply's time goes (the mean of each
+part: waiting for the turn's transcript, the LLM's first token, the first whole word, the TTS's first speech). The
+last line (JSON) holds the medians, p99s, those means and the memory ratios. At N agents
 the ratio cannot fall below 1/N: one duplexd holds what one per-agent process holds, plus each agent's share.
 """
 
@@ -30,10 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -173,6 +177,7 @@ class Side:
     rss: int  # bytes, every process of the side at the end
     pss: int
     cpu: float  # seconds over the run
+    stages: dict[str, float]  # the servers' mean ms of each part of a reply (`reply_stages`)
 
 
 def side(args: argparse.Namespace, audio: list[np.ndarray], stt_root: Path, tmp: Path, processes: int) -> Side:
@@ -186,11 +191,31 @@ def side(args: argparse.Namespace, audio: list[np.ndarray], stt_root: Path, tmp:
         before = [tree_usage(p.pid).cpu for p in procs]
         turns = asyncio.run(run_side(ports, args, audio))
         after = [tree_usage(p.pid) for p in procs]  # every process alive: the shared pages split among them all
+        stages = reply_stages(ports)
     finally:
         for proc in procs:
             stop([proc.pid, *descendants(proc.pid)], 10)
     cpu = sum(u.cpu for u in after) - sum(before)
-    return Side(turns, sum(u.rss for u in after), sum(u.pss for u in after), cpu)
+    return Side(turns, sum(u.rss for u in after), sum(u.pss for u in after), cpu, stages)
+
+
+def reply_stages(ports: list[int]) -> dict[str, float]:
+    """The servers' own account of their replies (`duplexd_agent_reply_seconds`): each stage's mean, in ms."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != "duplexd_agent_reply_seconds":
+                continue
+            for sample in family.samples:
+                stage = sample.labels.get("stage", "")
+                if sample.name.endswith("_sum"):
+                    sums[stage] = sums.get(stage, 0.0) + sample.value
+                elif sample.name.endswith("_count"):
+                    counts[stage] = counts.get(stage, 0.0) + sample.value
+    return {stage: 1000 * sums[stage] / counts[stage] for stage in sums if counts.get(stage)}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -240,6 +265,7 @@ def main() -> int:
             f"{name:<10} {pct(t.detected_ms, 0.5):10.0f} {word:>18} {audio_ms:>19} {late:.3f} {cut_ms:7.0f} "
             f"{per_agent_mb:8.0f}/{pss_mb:<7.0f} {cpu:11.1f}"
         )
+        print(f"  {name}'s replies, mean ms: " + ", ".join(f"{k} {v:.0f}" for k, v in result.stages.items()))
         out |= {
             f"detected_ms_p50_{name}": round(pct(t.detected_ms, 0.5), 1),
             f"first_word_ms_p50_{name}": round(pct(t.first_word_ms, 0.5), 1),
@@ -252,6 +278,7 @@ def main() -> int:
             f"rss_mb_per_agent_{name}": round(per_agent_mb, 1),
             f"pss_mb_per_agent_{name}": round(pss_mb, 1),
             f"cpu_s_per_agent_{name}": round(cpu, 2),
+            **{f"reply_{stage}_ms_mean_{name}": round(ms, 1) for stage, ms in result.stages.items()},
         }
     out["memory_ratio_vs_per_agent"] = round(sides["duplexd"].rss / sides["per_agent"].rss, 3)
     out["pss_ratio_vs_per_agent"] = round(sides["duplexd"].pss / sides["per_agent"].pss, 3)

@@ -227,7 +227,7 @@ SMOKE: dict[str, Smoke] = {
     "agent_turns.py": Smoke(
         ("--agents", "1", "--turns", "1", "--max-tokens", "4"),
         ("memory_ratio_vs_per_agent", "pss_ratio_vs_per_agent", "first_audio_ms_p50_duplexd", "late_frac_duplexd")
-        + ("cut_ms_p50_duplexd",),
+        + ("cut_ms_p50_duplexd", "reply_llm_ms_mean_duplexd", "reply_tts_ms_mean_duplexd"),
     ),
     "gpu_suite.sh": SUITE,
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,28 @@ class Done:
 ReplyEvent = TextDelta | ToolCallStart | ToolCallArguments | ToolCallEnd | Spoken | Audio | Done
 
 
+@dataclass
+class ReplyTimes:
+    """When each part of a reply began (`time.monotonic()`; None: it never came): where its latency goes."""
+
+    created: float
+    asked: float | None = None  # the LLM request sent (after the turn's transcript, when the reply waited for it)
+    first_token: float | None = None  # the LLM's first text or tool call
+    first_word: float | None = None  # the first whole word pushed to the TTS
+    first_audio: float | None = None  # the TTS's first 80 ms of speech
+
+    def stages(self) -> dict[str, float]:
+        """Seconds from each mark to the next, for those that came: `wait` (created → asked), `llm` (→ first
+        token), `words` (→ first word), `tts` (→ first audio)."""
+        marks = [("wait", self.asked), ("llm", self.first_token), ("words", self.first_word), ("tts", self.first_audio)]
+        out, last = {}, self.created
+        for name, at in marks:
+            if at is None:
+                break
+            out[name], last = at - last, at
+        return out
+
+
 class Reply:
     """One reply to `request`, said by `speaker` (None: text only). Iterate `events()` once; `cancel` from anywhere
     in the event loop."""
@@ -82,6 +105,7 @@ class Reply:
         self._expected: deque[tuple[str, str | None]] = deque()
         self._speaking: asyncio.Task | None = None
         self._cancelled = False
+        self.times = ReplyTimes(time.monotonic())
 
     async def events(self) -> AsyncIterator[ReplyEvent]:
         self._tasks.append(asyncio.create_task(self._ask(), name="agent-llm"))
@@ -103,6 +127,7 @@ class Reply:
         self._queue.put_nowait(None)
 
     async def _ask(self) -> None:
+        self.times.asked = time.monotonic()
         cutter = WordCutter()
         reason: str | None = None
         usage: Usage | None = None
@@ -110,6 +135,8 @@ class Reply:
         try:
             async with contextlib.aclosing(self.client.stream(self.request)) as replies:
                 async for event in replies:
+                    if self.times.first_token is None and isinstance(event, TextDelta | ToolCallStart):
+                        self.times.first_token = time.monotonic()
                     if isinstance(event, TextDelta):
                         self._say(cutter.push(event.text))
                     elif isinstance(event, Finish):
@@ -143,6 +170,7 @@ class Reply:
         if speaker is None or not words:
             return
         if self.stream is None:
+            self.times.first_word = time.monotonic()
             self.stream = speaker.open()
             self._speaking = asyncio.create_task(self._listen(self.stream), name="agent-tts")
             self._tasks.append(self._speaking)
@@ -162,6 +190,8 @@ class Reply:
                     if word is not None:
                         await self._queue.put(Spoken(word, event.step + 1))
             elif isinstance(event, SpeechChunk):
+                if self.times.first_audio is None:
+                    self.times.first_audio = time.monotonic()
                 await self._queue.put(Audio(event.pcm, event.frame))
             elif isinstance(event, SpeechEnd):
                 return

@@ -111,6 +111,14 @@ class Metrics:
             buckets=TRANSCRIPT_BUCKETS,
             registry=registry,
         )
+        self.agent_reply_seconds = Histogram(
+            "duplexd_agent_reply_seconds",
+            "a voice agent's reply, part by part: wait (for the turn's transcript), llm (to its first token), words "
+            "(to the first whole word), tts (to the first speech)",
+            ["stage"],
+            buckets=TRANSCRIPT_BUCKETS,
+            registry=registry,
+        )
         self.prompt_seconds = Histogram(
             "duplexd_prompt_seconds",
             "a persona prompt's start to its session going live (the prefill, beside live sessions)",
@@ -163,6 +171,10 @@ class Metrics:
         """Transcription callback for every utterance ended: "completed" or "failed", end of speech to result."""
         self.transcripts.labels(outcome).inc()
         self.transcript_seconds.observe(seconds)
+
+    def on_agent_reply(self, stages: dict[str, float]) -> None:
+        for stage, seconds in stages.items():
+            self.agent_reply_seconds.labels(stage).observe(seconds)
 
     def subscribe(self, runtime: Runtime) -> Callable[[], None]:
         stops = [engine.on_step(self.on_step) for engine in runtime.engines]
