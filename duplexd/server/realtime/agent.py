@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, WebSocket
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from duplexd.engine.agent.events import TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from duplexd.engine.agent.llm import ChatRequest
@@ -488,6 +488,9 @@ class AgentAdapter(TranscriptionAdapter):
     async def run_response(self, r: Running) -> None:
         try:
             await self._run(r)
+        except WebSocketDisconnect:  # the client left mid-reply (its Stop, a closed tab): nobody's fault
+            logger.info("agent session %s: the client left during response %s", self.session_id, r.id)
+            r.reply.cancel()
         except Exception:  # noqa: BLE001 - the transport is gone or a bug: the session's tasks report the first
             logger.exception("agent session %s: response %s failed", self.session_id, r.id)
             r.reply.cancel()
