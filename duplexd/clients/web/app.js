@@ -6,6 +6,11 @@
 // captions, one line per utterance, from the server's speech_started / speech_stopped / transcription events.
 // A PersonaPlex server with voices (/v1/models: persona true) gets a persona box: a role text and a voice picker,
 // sent as the text_prompt / voice_prompt query parameters; the server starts the persona before the first audio.
+// A voice-agent server (/v1/models: a "voice-agent" model; --llm) gets an agent box (instructions, voice, the page's
+// set_volume tool and the tool choice) and one conversation list instead (agent.js: the same over either transport).
+// The settings marked data-query can be preset from the page's address: /?tool_choice=required&transport=websocket.
+
+import { AgentView, agentUpdate, typedTurn } from "./agent.js";
 
 const RATE = 24000;
 const FRAME = 1920; // 80 ms
@@ -17,11 +22,17 @@ const ui = {
   firstAudio: $("first-audio"), buffered: $("buffered"), underruns: $("underruns"), model: $("model-id"),
   transcribe: $("transcribe"), transcribeToggle: $("transcribe-toggle"), you: $("you"), captions: $("captions"),
   persona: $("persona"), voice: $("voice_prompt"), role: $("text_prompt"), personaUsed: $("persona-used"),
+  played: $("played"), volume: $("volume"), agent: $("agent"), agentDemo: $("agent-demo-note"),
+  instructions: $("instructions"), agentVoice: $("agent_voice"), offerTool: $("offer_tool"), toolChoice: $("tool_choice"),
+  interrupt: $("interrupt"),
+  conversation: $("conversation"), conversationBox: $("conversation-box"), modelSays: $("model-says"),
+  agentUsed: $("agent-used"), say: $("say"), typed: $("typed"), send: $("send"),
 };
 
 let chat = null; // the running conversation, if any
 let transcriber = null; // the server's transcription model (from /v1/models), if it has one
 let callsServed = false; // the server serves WebRTC calls (/v1/models protocols)
+let agent = null; // the server's voice agent (/v1/models), when it is one
 
 function setState(state, label) {
   ui.state.className = `state ${state}`;
@@ -76,8 +87,9 @@ function caption(c, itemId) {
   if (!line) {
     line = document.createElement("li");
     line.dataset.item = itemId;
+    line.dataset.role = "user";
     c.captions.set(itemId, line);
-    ui.captions.appendChild(line);
+    c.list.appendChild(line);
   }
   return line;
 }
@@ -86,7 +98,7 @@ function setCaption(line, state, text, title) {
   line.dataset.state = state;
   line.textContent = text;
   if (title) line.title = title;
-  ui.captions.scrollTop = ui.captions.scrollHeight;
+  line.parentElement.scrollTop = line.parentElement.scrollHeight;
 }
 
 function onTranscriptEvent(c, event) {
@@ -119,7 +131,7 @@ function onTranscriptEvent(c, event) {
 
 function settings() {
   const query = new URLSearchParams();
-  for (const name of ["text_temperature", "text_topk", "audio_temperature", "audio_topk", "seed"]) {
+  for (const name of agent ? [] : ["text_temperature", "text_topk", "audio_temperature", "audio_topk", "seed"]) {
     const value = $(name).value.trim();
     if (value !== "") query.set(name, value);
   }
@@ -164,10 +176,14 @@ async function start() {
   ui.voice.disabled = ui.role.disabled = true;
   ui.text.textContent = "";
   ui.captions.textContent = "";
+  ui.conversation.textContent = "";
   ui.frames.textContent = "0";
+  ui.played.textContent = "0";
   ui.firstAudio.textContent = "–";
   setState("connecting", "opening microphone");
   const c = { userClosed: false, admitted: false, frames: 0, sentAt: null, closeInfo: null, captions: new Map() };
+  c.list = agent ? ui.conversation : ui.captions;
+  c.agent = agent ? new AgentView(ui.conversation, agentHooks(c)) : null;
   chat = c;
   try {
     c.context = new AudioContext({ sampleRate: RATE, latencyHint: "interactive" });
@@ -183,10 +199,12 @@ async function start() {
   const prebuffer = Math.round((Number($("jitter_ms").value) || 160) * RATE / 1000);
   c.player = new AudioWorkletNode(c.context, "player-processor",
                                   { outputChannelCount: [1], processorOptions: { prebuffer, maxBuffer: RATE } });
-  c.player.connect(c.context.destination);
+  c.gain = new GainNode(c.context, { gain: volume() });
+  c.player.connect(c.gain).connect(c.context.destination);
   c.player.port.onmessage = (e) => {
     if (chat !== c) return;
     meter(ui.outLevel, e.data.level);
+    ui.played.textContent = Math.round((e.data.played * 1000) / RATE);
     ui.buffered.textContent = Math.round((e.data.buffered * 1000) / RATE);
     ui.underruns.textContent = e.data.underruns;
   };
@@ -230,6 +248,7 @@ async function call(c, query) {
   channel.onclose = () => onClose(c, { code: c.admitted ? 1000 : 1006, reason: "the call ended" });
   c.audio = new Audio();
   c.audio.autoplay = true;
+  c.audio.volume = volume();
   pc.ontrack = (e) => {
     c.audio.srcObject = e.streams[0];
     const analyser = c.context.createAnalyser();
@@ -276,8 +295,31 @@ function firstUpdate() {
   return JSON.stringify({ type: "session.update", session });
 }
 
+// The agent's settings, sent when its session starts and again whenever they change.
+function agentSettings() {
+  return agentUpdate({ instructions: ui.instructions.value, voice: ui.agentVoice.value, offerTool: ui.offerTool.checked,
+                       toolChoice: ui.toolChoice.value, interrupt: ui.interrupt.checked });
+}
+
+function agentHooks(c) {
+  return {
+    send: (text) => c.send(text),
+    setVolume,
+    flush: () => c.player.port.postMessage({ reset: true }),
+    fail: showMessage,
+    session: (session) => {
+      const tools = (session.tools || []).map((t) => t.name);
+      const detection = ((session.audio || {}).input || {}).turn_detection || {};
+      ui.agentUsed.textContent = `tools: ${tools.join(", ") || "none"}${tools.length ? ` (${session.tool_choice})` : ""}` +
+        (detection.interrupt_response === false ? "; barge-in off" : "");
+      ui.agentUsed.title = session.instructions || "";
+    },
+  };
+}
+
 function onEvent(c, event) {
   if (chat !== c) return;
+  if (c.agent && c.agent.onEvent(event)) return;
   if (onTranscriptEvent(c, event)) return;
   switch (event.type) {
     case "session.created":
@@ -286,7 +328,10 @@ function onEvent(c, event) {
       setState("live", c.pc ? "live (WebRTC)" : "live");
       if (event.session && event.session.model) ui.model.textContent = `model ${event.session.model}`;
       showPersona(event.session || {});
-      if (c.pc) c.send(firstUpdate());
+      if (c.agent) {
+        c.send(agentSettings());
+        ui.typed.disabled = ui.send.disabled = false;
+      } else if (c.pc) c.send(firstUpdate());
       else if (transcriber && ui.transcribe.checked) c.send(transcriptionUpdate(true));
       break;
     case "session.updated":
@@ -359,6 +404,7 @@ function stop(message, state) {
   ui.start.disabled = false;
   ui.stop.disabled = true;
   ui.voice.disabled = ui.role.disabled = false;
+  ui.typed.disabled = ui.send.disabled = true;
   meter(ui.inLevel, 0);
   meter(ui.outLevel, 0);
   setState(state || "idle", state === "lost" ? "connection lost" : state);
@@ -380,6 +426,58 @@ function setUpPersona(model) {
   if (!ui.role.value) ui.role.value = defaults.text_prompt || "";
 }
 
+function volume() {
+  return Number(ui.volume.value) / 10;
+}
+
+function setVolume(level) {
+  ui.volume.value = String(level);
+  applyVolume();
+}
+
+function applyVolume() {
+  if (chat && chat.gain) chat.gain.gain.value = volume();
+  if (chat && chat.audio) chat.audio.volume = volume();
+}
+
+function setUpAgent(model, models) {
+  agent = model;
+  ui.agent.hidden = ui.conversationBox.hidden = false;
+  ui.modelSays.hidden = ui.you.hidden = ui.transcribeToggle.hidden = true; // the agent transcribes the user itself
+  document.querySelectorAll(".moshi-only").forEach((el) => { el.hidden = true; });
+  const voices = model.voices || [];
+  const tts = models.find((m) => m.id === model.speaks_with) || {};
+  ui.agentVoice.replaceChildren(...voices.map((name) => new Option(name, name)));
+  if (voices.includes(tts.default_voice)) ui.agentVoice.value = tts.default_voice;
+  const stt = models.find((m) => m.id === model.hears_with) || {};
+  const demo = [stt.demo && "STT", tts.demo && "TTS", (model.llm || {}).demo && "LLM"].filter(Boolean);
+  ui.agentDemo.hidden = demo.length === 0;
+  ui.agentDemo.textContent = `This agent runs demo models (${demo.join(", ")}): ` +
+    [(model.llm || {}).demo && "the demo LLM (SmolLM2-135M) answers in real words, briefly and not always to the point",
+     tts.demo && "the demo TTS says them as noise",
+     stt.demo && "the demo STT has learnt nothing and may hear no turn by itself: type one under the conversation"]
+      .filter(Boolean).join("; ") + ".";
+  ui.model.textContent = `agent ${model.id}`;
+  callsServed = [...(model.protocols || []), ...(model.endpoints || [])].includes("/v1/realtime/calls");
+}
+
+// Settings given in the page's address (their data-query names), once the server's voices are known.
+function presetFromAddress() {
+  const given = new URLSearchParams(location.search);
+  for (const el of document.querySelectorAll("[data-query]")) {
+    const value = given.get(el.dataset.query);
+    if (value === null) continue;
+    if (el.type === "checkbox") {
+      el.checked = !["0", "false", "off", "no"].includes(value.toLowerCase());
+    } else if (el.tagName === "SELECT" && ![...el.options].some((o) => o.value === value)) {
+      showMessage(`The page's address sets ${el.dataset.query} to "${value}": not one of ` +
+                  `${[...el.options].map((o) => o.value).join(", ") || "its choices"}.`);
+    } else {
+      el.value = value;
+    }
+  }
+}
+
 async function describeServer() {
   try {
     const response = await fetch("v1/models");
@@ -390,6 +488,11 @@ async function describeServer() {
     }
     const body = await response.json();
     const models = body.data || [];
+    const voiceAgent = models.find((m) => m.task === "voice-agent");
+    if (voiceAgent) {
+      setUpAgent(voiceAgent, models);
+      return;
+    }
     const model = models.find((m) => m.task !== "transcription");
     callsServed = Boolean(model && (model.protocols || []).includes("/v1/realtime/calls"));
     if (model) {
@@ -413,4 +516,15 @@ ui.transcribe.addEventListener("change", () => {
   if (chat && chat.admitted) chat.send(transcriptionUpdate(ui.transcribe.checked));
 });
 ui.stop.addEventListener("click", () => stop("", "idle"));
-describeServer();
+ui.volume.addEventListener("input", applyVolume);
+ui.say.addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = ui.typed.value.trim();
+  if (!text || !chat || !chat.admitted || !chat.agent) return;
+  typedTurn(text).forEach((event) => chat.send(event));
+  ui.typed.value = "";
+});
+for (const el of [ui.instructions, ui.agentVoice, ui.offerTool, ui.toolChoice, ui.interrupt]) {
+  el.addEventListener("change", () => { if (chat && chat.admitted && chat.agent) chat.send(agentSettings()); });
+}
+describeServer().then(presetFromAddress);

@@ -1,6 +1,8 @@
 // The model's voice through a small jitter buffer. Playback starts once `prebuffer` samples are queued; when the
 // queue runs dry it plays silence, counts an underrun and waits for the prebuffer again. A queue grown past
 // `maxBuffer` (the network delivered a burst after a stall) is trimmed so the delay does not keep growing.
+// `{reset: true}` drops what is queued (the user cut the speaker off). Reports, ~10 a second: level, buffered,
+// underruns, and played (samples of the model's audio played so far).
 class PlayerProcessor extends AudioWorkletProcessor {
   constructor(options) {
     super();
@@ -12,6 +14,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
     this.write = 0;
     this.playing = false;
     this.underruns = 0;
+    this.played = 0;
     this.sumSquares = 0;
     this.counted = 0;
     this.port.onmessage = (e) => {
@@ -38,6 +41,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
       if (this.playing && this.buffered > 0) {
         const v = this.ring[this.read & mask];
         this.read++;
+        this.played++;
         out[i] = v;
         this.sumSquares += v * v;
       } else {
@@ -49,7 +53,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
     this.counted += out.length;
     if (this.counted >= 2400) {  // ~100 ms
       this.port.postMessage({ level: Math.sqrt(this.sumSquares / this.counted), buffered: this.buffered,
-                              underruns: this.underruns });
+                              underruns: this.underruns, played: this.played });
       this.sumSquares = 0;
       this.counted = 0;
     }

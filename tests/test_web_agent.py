@@ -1,0 +1,164 @@
+"""The built-in page as a voice agent's client, in a real headless Chromium, against `duplexd serve` with an STT main
+model, `--tts demo-tts` and `--llm demo` (a real llama.cpp server with SmolLM2-135M).
+
+The fake microphone says one espeak-ng sentence (after 2.5 s of quiet, so the session is open when it comes, then
+30 s of quiet before the file loops), which the STT (`test_asr_e2e.words_model`, its text head leaning to words)
+hears as the user's turn. The page is told by its address to force its tool (`?tool_choice=required`), so the turn
+gets a `set_volume` call whatever the tiny LLM would choose; the page answers it (the volume moves), asks for a
+reply, and the reply comes in words and plays: over the WebSocket and over a WebRTC call (the page's agent code reads
+either). The demo STT also hears words in the silence, turns of their own: the page turns barge-in off
+(`?interrupt=0`) so they do not cut the reply. What the 135M model guarantees is asserted, not what it chooses.
+Screenshots are copied to out/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from duplexd.clients.audio import write_wav
+
+from .browser import CHROMIUM, launch_args
+from .live_server import running_server
+from .speech import compose, speak
+from .system_tools import needs
+from .test_asr_e2e import words_model
+
+sync_api = pytest.importorskip("playwright.sync_api")
+pytestmark = needs("chromium", "espeak-ng")
+OUT = Path(__file__).resolve().parents[1] / "out"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    stt = words_model(tmp_path_factory.mktemp("web-agent-stt"))
+    log = tmp_path_factory.mktemp("web-agent-server") / "serve.log"
+    # 48 tokens: room for a forced call's arguments, and a spoken reply of a few seconds
+    args = ["--hf-repo", str(stt.root), "--tts", "demo-tts", "--tts-temperature", "0", "--llm", "demo",
+            "--llm-max-tokens", "48", "--webrtc-hosts", "127.0.0.1"]  # fmt: skip
+    with running_server(log, *args) as live:
+        yield live
+    assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    mic = tmp_path_factory.mktemp("agent-mic")
+    pcm, _ = compose([2.5, speak("Please call me back tomorrow morning.", mic), 30.0], seed=5)
+    wav = mic / "mic.wav"
+    write_wav(str(wav), pcm)
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=launch_args(wav))
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context()
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    yield page
+    context.close()
+    assert not errors, errors
+
+
+def save(page, tmp_path: Path, name: str) -> None:
+    shot = tmp_path / name
+    page.screenshot(path=str(shot), full_page=True)
+    OUT.mkdir(exist_ok=True)
+    shutil.copy(shot, OUT / name)
+
+
+def open_page(server, page, query: str) -> None:
+    page.goto(f"{server.url}/?{query}")
+    page.wait_for_selector("#agent:not([hidden])", timeout=10000)  # /v1/models lists a voice agent
+
+
+def reply_after(page, role: str, text: str | None = None, timeout: float = 120000) -> None:
+    """Wait for an agent's line with words after the first conversation line of `role` (and `text`, if given)."""
+    page.wait_for_function(
+        """([role, text]) => {
+          const lines = [...document.querySelectorAll("#conversation li")];
+          const at = lines.findIndex((li) => li.dataset.role === role && (text === null || li.textContent === text));
+          const said = (li) => li.dataset.role === "assistant" && /[a-z]/i.test(li.textContent);
+          return at >= 0 && lines.slice(at + 1).some(said);
+        }""",
+        arg=[role, text],
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("transport", ["websocket", "auto"])
+def test_a_spoken_turn_a_forced_tool_call_answered_by_the_page_and_a_spoken_reply(server, page, tmp_path, transport):
+    """Over the WebSocket, and over a WebRTC call (auto: /v1/models lists calls for the agent): the same events, on
+    the socket or on the call's oai-events channel; the speech as audio events, or on the call's track."""
+    open_page(server, page, f"tool_choice=required&interrupt=0&transport={transport}")
+    assert page.is_hidden("#model-says") and page.is_hidden("#you") and page.is_visible("#conversation-box")
+    assert page.input_value("#tool_choice") == "required" and page.is_checked("#offer_tool")
+    page.click("#start")
+    page.wait_for_selector("#state[data-state=live]", timeout=20000)
+    assert ("WebRTC" in page.inner_text("#state")) == (transport == "auto")
+    used = "tools: set_volume (required); barge-in off"  # the server took the page's session.update
+    page.wait_for_function(f"document.getElementById('agent-used').textContent === '{used}'", timeout=10000)
+
+    user = page.wait_for_selector("#conversation li[data-role=user][data-state=done]", timeout=60000)
+    assert user is not None
+    heard = user.inner_text()
+    assert heard and heard != "(no words)" and "…" not in heard
+
+    call = page.wait_for_selector("#conversation li[data-role=tool][data-state=answered]", timeout=60000)
+    assert call is not None and call.get_attribute("data-name") == "set_volume"
+    schema = page.evaluate("import('./agent.js').then((m) => m.SET_VOLUME.parameters)")
+    arguments = json.loads(call.get_attribute("data-arguments") or "")
+    jsonschema.validate(arguments, schema)
+    assert json.loads(call.get_attribute("data-output") or "") == {"volume": arguments["level"]}
+    assert page.input_value("#volume") == str(arguments["level"])  # the page did what the call asked
+
+    # The page's function_call_output and response.create: the agent answers in words, and they play.
+    reply_after(page, "tool")
+    if transport == "websocket":  # the page's player has played it
+        page.wait_for_function("Number(document.getElementById('played').textContent) >= 400", timeout=30000)
+    else:  # output_audio_buffer.started, and the call's track is loud
+        page.wait_for_function("document.getElementById('first-audio').textContent.endsWith('ms')", timeout=10000)
+        page.wait_for_function("parseFloat(document.getElementById('out-level').style.width) > 0", timeout=10000)
+        assert page.inner_text("#frames-received") == "0"  # no audio event: the speech is on the track
+    roles = page.eval_on_selector_all("#conversation li", "(lines) => lines.map((li) => li.dataset.role)")
+    assert roles.index("user") < roles.index("tool") < roles.index("assistant"), roles
+    assert page.is_hidden("#message")  # no error shown
+    save(page, tmp_path, f"web-agent-{transport}.png")
+    page.click("#stop")
+    page.wait_for_selector("#state[data-state=idle]")
+
+
+def test_settings_from_the_address_reach_the_agent_and_a_typed_turn_is_answered(server, page):
+    """Instructions and no tool, from the page's address: the session the server answers with has them, and a change
+    during the session is sent at once. A typed turn is answered in words. A preset that is not one of a setting's
+    choices is refused in words."""
+    open_page(server, page, "tool_choice=maybe")
+    page.wait_for_selector("#message:not([hidden])", timeout=5000)
+    assert 'tool_choice to "maybe"' in page.inner_text("#message")
+    assert page.input_value("#tool_choice") == "auto"
+
+    open_page(server, page, "offer_tool=0&interrupt=0&instructions=Answer+in+one+short+sentence.&transport=websocket")
+    assert not page.is_checked("#offer_tool") and page.is_hidden("#message")
+    page.click("#start")
+    used = "document.getElementById('agent-used')"
+    page.wait_for_function(f"{used}.textContent === 'tools: none; barge-in off'", timeout=15000)
+    assert page.get_attribute("#agent-used", "title") == "Answer in one short sentence."
+
+    page.fill("#typed", "Say hello.")
+    page.press("#typed", "Enter")
+    reply_after(page, "user", "Say hello.")
+
+    page.check("#offer_tool")
+    page.wait_for_function(f"{used}.textContent === 'tools: set_volume (auto); barge-in off'", timeout=10000)
+    page.click("#stop")
+    page.wait_for_selector("#state[data-state=idle]")
+    assert page.is_hidden("#message")
