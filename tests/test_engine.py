@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 from duplexd.engine.dialogue.engine import Engine, EngineConfig
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError, SessionClosed
+from duplexd.engine.loop_thread import default_threads
 from duplexd.engine.models.config import DEMO_MIMI, ConfigError, LMConfig
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.weights.demo import random_lm
@@ -424,3 +426,16 @@ def test_push_zeroes_non_finite_samples_and_keeps_its_own_copy():
     assert np.array_equal(np.concatenate([f[0] for f in frames]), expected)
     session.push(buffer[:FRAME])  # all finite: queued as given
     assert np.array_equal(session.take_frame()[0], np.full(FRAME, 9.0, np.float32))
+
+
+def test_the_loop_threads_default_is_omp_num_threads_else_the_cores(monkeypatch):
+    """An engine told nothing keeps to OMP_NUM_THREADS (a process beside others on the same cores: a second
+    OpenMP thread would spin-wait on a core another process needs), else takes the usable cores."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads() == 1
+    cores = len(os.sched_getaffinity(0))
+    for unset in ("", "many", "0"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert default_threads() == cores
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads() == cores

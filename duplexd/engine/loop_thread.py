@@ -7,10 +7,19 @@ warm-up is done, raising its error (after the thread ends) if it failed.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
 import torch
+
+
+def default_threads() -> int:
+    """A loop thread's intra-op threads when none are configured: `OMP_NUM_THREADS` where it is set (as torch
+    itself reads it: a process told to keep to one thread, e.g. beside other processes on the same cores, keeps to
+    it), else the usable cores."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
 
 
 def start_loop_thread(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from ..graphs import default_buckets
 from ..kv.dtypes import KV_DTYPES
 from ..kv.paged import PagedKVCache, window_pages
 from ..listeners import Listeners
-from ..loop_thread import start_loop_thread
+from ..loop_thread import default_threads, start_loop_thread
 from ..models.config import ConfigError, LMConfig
 from ..models.lm import LMModel
 from ..models.mimi import MimiModel, MimiStreams
@@ -66,7 +65,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     pad_batches: bool = False  # pad to buckets without graphs (to run the graph path's padding on CPU)
     buckets: tuple[int, ...] | None = None  # default: 1, 2, 4, ..., max_sessions
-    threads: int | None = None  # intra-op threads of the loop thread; default: the usable cores
+    threads: int | None = None  # intra-op threads of the loop thread; default: OMP_NUM_THREADS, else the cores
     # Persona prompts (PersonaPlex): frames prefilled per step beside live sessions (None: what fits in half of
     # the time a frame leaves after a full step, timed at warm-up), and per step with no live session.
     prefill_rows: int | None = None
@@ -229,7 +228,7 @@ class Engine:
         self.runner = Runner(self.pipeline, kv, tokenizer, set(cfg.silent_text_ids))
         self._step_listeners: Listeners[[StepRecord]] = Listeners("step")
         self._thread: threading.Thread | None = None
-        self._threads = config.threads or len(os.sched_getaffinity(0))
+        self._threads = config.threads or default_threads()
         if self.device.type == "cpu" and torch.get_num_threads() > 1:
             logger.warning(
                 "this thread uses %d intra-op threads beside the engine's loop thread; on CPU call "
