@@ -476,7 +476,7 @@ class AgentAdapter(TranscriptionAdapter):
             items = list(self.conversation.values())
         for item in items:
             _add_message(messages, item)
-        return messages
+        return _answered(messages)
 
     def cancel(self, reason: str) -> None:
         running = self.running
@@ -730,6 +730,26 @@ def _add_message(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind == "function_call_output":
         messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item.get("output", "")})
+
+
+UNANSWERED = "(no output: the call was not answered)"
+
+
+def _answered(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` as chat completions takes them: each assistant message with tool calls followed at once by one
+    tool message per call, whatever the items' order (an output after the user spoke again), a call the client never
+    answered given `UNANSWERED` (OpenAI refuses a call without its answer), an output of no call left out."""
+    outputs = {m["tool_call_id"]: m for m in messages if m["role"] == "tool"}
+    paired: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] == "tool":
+            continue
+        paired.append(message)
+        for call in message.get("tool_calls", []):
+            paired.append(
+                outputs.get(call["id"]) or {"role": "tool", "tool_call_id": call["id"], "content": UNANSWERED}
+            )
+    return paired
 
 
 @router.websocket("/v1/realtime")
