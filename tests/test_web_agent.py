@@ -113,16 +113,20 @@ def test_a_spoken_turn_a_forced_tool_call_answered_by_the_page_and_a_spoken_repl
     heard = user.inner_text()
     assert heard and heard != "(no words)" and "…" not in heard
 
-    call = page.wait_for_selector("#conversation li[data-role=tool][data-state=answered]", timeout=60000)
-    assert call is not None and call.get_attribute("data-name") == "set_volume"
-    schema = page.evaluate("import('./agent.js').then((m) => m.SET_VOLUME.parameters)")
-    arguments = json.loads(call.get_attribute("data-arguments") or "")
-    jsonschema.validate(arguments, schema)
-    assert json.loads(call.get_attribute("data-output") or "") == {"volume": arguments["level"]}
-    assert page.input_value("#volume") == str(arguments["level"])  # the page did what the call asked
-
+    page.wait_for_selector("#conversation li[data-role=tool][data-state=answered]", timeout=60000)
     # The page's function_call_output and response.create: the agent answers in words, and they play.
     reply_after(page, "tool")
+    schema = page.evaluate("import('./agent.js').then((m) => m.SET_VOLUME.parameters)")
+    calls, volume = page.evaluate(  # at one moment: the calls answered so far (the LLM may make several)
+        """() => [[...document.querySelectorAll("#conversation li[data-role=tool][data-state=answered]")]
+                   .map((li) => [li.dataset.name, li.dataset.arguments, li.dataset.output]),
+                  document.getElementById("volume").value]"""
+    )
+    for name, arguments, output in calls:
+        assert name == "set_volume"
+        jsonschema.validate(json.loads(arguments), schema)
+        assert json.loads(output) == {"volume": json.loads(arguments)["level"]}
+    assert volume == str(json.loads(calls[-1][1])["level"])  # the page did what the last call asked
     if transport == "websocket":  # the page's player has played it
         page.wait_for_function("Number(document.getElementById('played').textContent) >= 400", timeout=30000)
     else:  # output_audio_buffer.started, and the call's track is loud
@@ -162,3 +166,86 @@ def test_settings_from_the_address_reach_the_agent_and_a_typed_turn_is_answered(
     page.click("#stop")
     page.wait_for_selector("#state[data-state=idle]")
     assert page.is_hidden("#message")
+
+
+VIEW = """async (events) => {
+  const { AgentView } = await import("./agent.js");
+  const list = document.createElement("ol");
+  const seen = { sent: [], flushed: 0, volume: null, caller: [] };
+  const view = new AgentView(list, {
+    send: (text) => seen.sent.push(JSON.parse(text)), setVolume: (level) => { seen.volume = level; },
+    flush: () => { seen.flushed += 1; }, fail: () => {}, session: () => {},
+  });
+  for (const event of events) if (!view.onEvent(event)) seen.caller.push(event.type);
+  seen.lines = [...list.children].map((li) => ({ ...li.dataset, text: li.textContent, title: li.title }));
+  return seen;
+}"""
+
+
+def message(status: str, transcript: str | None = None) -> dict:
+    content = [] if transcript is None else [{"type": "output_audio", "transcript": transcript}]
+    return {"id": "item_a", "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def test_a_reply_cut_by_a_barge_in_is_flushed_and_shown_cut_off(server, page):
+    """The page's view (agent.js, in the browser) of what a barge-in brings, as the server sends it (its side:
+    test_agent_realtime's barge-in test): `speech_started` while a reply speaks flushes the speech queued (not once
+    the reply is done), the caller still captions it, and the reply's item, `incomplete` with the words heard, is
+    shown cut off. Fed as events: the demo STT's words in silence cut a live reply before it speaks, not on cue."""
+    page.goto(f"{server.url}/")
+    delta = "response.output_audio_transcript.delta"
+    added = {"type": "response.output_item.added", "response_id": "resp_a", "output_index": 0}
+    events = [
+        {**added, "item": message("in_progress")},
+        *({"type": delta, "response_id": "resp_a", "item_id": "item_a", "delta": d} for d in ("Once", " upon", " a")),
+        {"type": "input_audio_buffer.speech_started", "item_id": "item_u", "audio_start_ms": 0},
+        {"type": "response.output_item.done", "response_id": "resp_a", "output_index": 0,
+         "item": message("incomplete", "Once upon")},
+        {"type": "response.done", "response": {"id": "resp_a", "status": "cancelled", "output": []}},
+        {"type": "input_audio_buffer.speech_started", "item_id": "item_v", "audio_start_ms": 0},
+    ]  # fmt: skip
+    seen = page.evaluate(VIEW, events)
+    assert seen["flushed"] == 1 and seen["caller"] == ["input_audio_buffer.speech_started"] * 2
+    (line,) = seen["lines"]
+    assert line["role"] == "assistant" and line["state"] == "truncated" and line["text"] == "Once upon"
+    assert line["title"] == "cut off: the rest was not said" and seen["sent"] == []
+
+
+def test_a_call_is_answered_and_followed_up_only_when_its_response_was_not_cancelled(server, page):
+    """A completed call is answered at once; the follow-up `response.create` (tool_choice none) waits for its
+    response's end and is not sent when that response was cancelled (the user's next turn answers the output). A
+    call cut short is shown, not made; an argument out of the tool's range is answered with an error."""
+    page.goto(f"{server.url}/")
+
+    def call(item_id: str, response: str, arguments: str, status: str = "completed") -> list[dict]:
+        item = {"id": item_id, "type": "function_call", "call_id": f"call_{item_id}", "name": "set_volume"}
+        return [
+            {"type": "response.output_item.added", "response_id": response, "output_index": 0,
+             "item": {**item, "status": "in_progress", "arguments": ""}},
+            {"type": "response.function_call_arguments.delta", "response_id": response, "item_id": item_id,
+             "call_id": item["call_id"], "delta": arguments},
+            {"type": "response.output_item.done", "response_id": response, "output_index": 0,
+             "item": {**item, "status": status, "arguments": arguments}},
+        ]  # fmt: skip
+
+    events = [
+        *call("item_1", "resp_1", '{"level": 4}'),
+        {"type": "response.done", "response": {"id": "resp_1", "status": "completed"}},
+        *call("item_2", "resp_2", '{"level": 3}'),
+        {"type": "response.done", "response": {"id": "resp_2", "status": "cancelled"}},
+        *call("item_3", "resp_3", '{"level": 11}'),
+        *call("item_4", "resp_3", '{"lev', "incomplete"),
+        {"type": "response.done", "response": {"id": "resp_3", "status": "incomplete"}},
+    ]
+    seen = page.evaluate(VIEW, events)
+    outputs = [(e["item"]["call_id"], json.loads(e["item"]["output"])) for e in seen["sent"] if "item" in e]
+    assert outputs == [
+        ("call_item_1", {"volume": 4}),
+        ("call_item_2", {"volume": 3}),
+        ("call_item_3", {"error": "level must be an integer from 0 to 10"}),
+    ]
+    follow_ups = [e for e in seen["sent"] if e["type"] == "response.create"]
+    assert follow_ups == [{"type": "response.create", "response": {"tool_choice": "none"}}] * 2  # resp_1, resp_3
+    assert [e["type"] for e in seen["sent"]].index("response.create") == 1  # resp_1's, after its output
+    assert seen["volume"] == 3 and [line["state"] for line in seen["lines"]] == ["answered"] * 3 + ["incomplete"]
+    assert "not called" in seen["lines"][3]["text"]
