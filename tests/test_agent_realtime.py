@@ -300,6 +300,10 @@ def test_an_llm_that_cannot_be_reached_fails_the_response_not_the_session(tmp_pa
 
     with running_server(log, *args) as live:
         (done,) = run(ask(live))
+        import httpx2
+
+        stt = httpx2.get(f"{live.url}/v1/models", timeout=10).json()["data"][0]
+        assert stt["id"] == "demo-stt" and stt["demo"] is True  # the built-in page tells its user so
     response = done["response"]
     assert response["status"] == "failed" and response["output"] == []
     assert "127.0.0.1:9" in response["status_details"]["error"]["message"]

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if settings.random_weights:
             what = f"the {settings.random_weights} preset with RANDOM weights (no checkpoint: it speaks noise)"
         else:
-            what = "the DEMO model (random weights: it speaks noise)" if settings.demo else "the given weights"
+            what = "a DEMO model (random weights: its output is noise)" if settings.demo_model else "the given weights"
         logger.info(
             "duplexd serve: %s on %s, %d sessions per device, at %s",
             what,

@@ -369,7 +369,7 @@ def load_runtime(settings: ServerSettings) -> Runtime:
         str(files.moshi),
         str(files.mimi),
         str(tokenizer_path),
-        settings.demo,
+        settings.demo_model,
         first.sample_rate,
         first.frame_size,
         tuple(settings.devices),

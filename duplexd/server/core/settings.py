@@ -419,6 +419,11 @@ class ServerSettings(BaseSettings):
         given = (self.hf_repo, self.moshi_weight, self.mimi_weight, self.tokenizer, self.random_weights)
         return not any(given)
 
+    @property
+    def demo_model(self) -> bool:
+        """The main model is one of the embedded demos (the dialogue demo, or `--hf-repo demo-stt`)."""
+        return self.demo or self.hf_repo == "demo-stt"
+
     def session_seconds(self, speech_to_text: bool) -> float | None:
         """The cap on a session's length: `--max-session-seconds`, except on a speech-to-text model's streams
         unless it was given (moshi-server has no cap: a meeting's transcript runs for hours). None: no cap."""

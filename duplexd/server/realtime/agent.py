@@ -270,8 +270,10 @@ class AgentAdapter(TranscriptionAdapter):
                     raise aev.item_not_found(event.item_id, event.event_id)
                 await self.send_text(ev.server_event("conversation.item.deleted", item_id=event.item_id))
             elif isinstance(event, ev.ItemRetrieve):
+                await self.settled()
                 await self.send_text(ev.item_retrieved(self.item(event.item_id, event.event_id)))
             elif isinstance(event, ev.ItemTruncate):
+                await self.settled()
                 await self.truncate(event)
             elif isinstance(event, aev.ResponseCreate):
                 self.respond(event.response, event.event_id)
@@ -356,6 +358,12 @@ class AgentAdapter(TranscriptionAdapter):
         previous = self.last_item()
         self.conversation[item_id] = made
         await self.send_lines(aev.item_added(made, previous))
+
+    async def settled(self) -> None:
+        """A cancelled response's last events go out first: a retrieve or truncate sent on `speech_started` (as the
+        SDKs send them) sees the item as the cancelled response left it, `incomplete`, not still `in_progress`."""
+        if self.running is not None and self.running.cancelled is not None and self.task is not None:
+            await asyncio.wait({self.task})  # its outcome is the response's own (reported there)
 
     async def truncate(self, event: ev.ItemTruncate) -> None:
         """The client played the assistant's item up to `audio_end_ms`: its transcript keeps the words heard."""
