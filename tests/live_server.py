@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import httpx2
 import pytest
+
+from .warm_server import WarmProcess, spawn
 
 
 def children(pid: int) -> list[int]:
@@ -39,7 +40,7 @@ def free_port() -> int:
 class LiveServer:
     url: str  # http://127.0.0.1:PORT
     port: int
-    proc: subprocess.Popen
+    proc: WarmProcess  # the server, forked from this test process's warm interpreter (`warm_server`)
     log: Path
 
 
@@ -51,13 +52,9 @@ def running_server(
     (a drain of at most 5 s unless set, then a clean shutdown: exit 0) on exit, so the caller can check
     `proc.returncode` and the log afterwards."""
     port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "duplexd", "serve", "--port", str(port), *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={"DUPLEXD_DRAIN_TIMEOUT": "5", **os.environ, **(env or {})},
-        )
+    proc = spawn(
+        ["serve", "--port", str(port), *args], {"DUPLEXD_DRAIN_TIMEOUT": "5", **os.environ, **(env or {})}, log
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
