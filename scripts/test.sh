@@ -42,4 +42,6 @@ python3 -m venv .venv
 # alone, and its pins (hydra-core<1.0, a torchaudio built for another torch) would break the venv.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps denoiser==0.1.5
 
+# the installs' gigabytes reach the disk now, not while the tests run beside the writeback
+sync
 DUPLEXD_SYSTEM_TOOLS=$tools exec .venv/bin/python -m tests.parallel "$@"
