@@ -27,6 +27,7 @@ import pytest
 from bench.processes import descendants, in_session, stop
 
 from . import system_tools
+from .warm_server import WarmProcess, spawn_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -255,23 +256,27 @@ class Ran:
     timed_out: bool
 
 
-LIVE: dict[int, subprocess.Popen] = {}  # runs not yet over, by session id: ended if the test session ends first
+# runs not yet over, by session id: ended if the test session ends first
+LIVE: dict[int, subprocess.Popen | WarmProcess] = {}
 
 
 def run(name: str, smoke: Smoke, tmp: Path) -> Ran:
     """The bench in a session of its own, its output in files: the wait is for the bench itself, so a child left
     holding its stdout neither delays the check nor hides from it."""
-    command = ["bash"] if name.endswith(".sh") else [sys.executable]
     env = {**BENCH_ENV, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(tmp / "suite")}
-    with (tmp / "stdout").open("w") as out, (tmp / "stderr").open("w") as err:
-        proc = subprocess.Popen(
-            [*command, str(BENCH / name), *smoke.args],
-            cwd=ROOT,
-            env={**env, **smoke.env},
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-        )
+    proc: subprocess.Popen | WarmProcess
+    if name.endswith(".sh"):
+        with (tmp / "stdout").open("w") as out, (tmp / "stderr").open("w") as err:
+            proc = subprocess.Popen(
+                ["bash", str(BENCH / name), *smoke.args],
+                cwd=ROOT,
+                env={**env, **smoke.env},
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+    else:  # forked from the warm interpreter (torch already imported), in a session of its own as above
+        proc = spawn_script(BENCH / name, list(smoke.args), {**env, **smoke.env}, ROOT, tmp / "stdout", tmp / "stderr")
     LIVE[proc.pid] = proc
     try:
         proc.wait(smoke.timeout)
@@ -283,7 +288,7 @@ def run(name: str, smoke: Smoke, tmp: Path) -> Ran:
     return Ran(proc.returncode, (tmp / "stdout").read_text(), (tmp / "stderr").read_text(), left, tmp, timed_out)
 
 
-def end_session(proc: subprocess.Popen) -> list[int]:
+def end_session(proc: subprocess.Popen | WarmProcess) -> list[int]:
     """Stop the bench if it still runs and whatever is left in its session; what was left (the bench excluded)."""
     left = in_session(proc.pid)
     if proc.poll() is None:

@@ -28,11 +28,11 @@ from .forked_cli import RUN_IMPORTS
 
 
 class WarmProcess:
-    """A server forked by the warm interpreter: its exit status comes from `<log>.rc`, written when it is reaped."""
+    """A process forked by the warm interpreter: its exit status comes from `status`, written when it is reaped."""
 
-    def __init__(self, pid: int, log: Path) -> None:
+    def __init__(self, pid: int, status: Path) -> None:
         self.pid = pid
-        self.status = Path(f"{log}.rc")
+        self.status = status
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -65,7 +65,7 @@ class _Spawner:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
 
-    def spawn(self, argv: list[str], env: dict[str, str], log: Path) -> WarmProcess:
+    def spawn(self, job: dict) -> WarmProcess:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = subprocess.Popen(
@@ -76,13 +76,13 @@ class _Spawner:
                     text=True,
                 )
             assert self._proc.stdin is not None and self._proc.stdout is not None
-            Path(f"{log}.rc").unlink(missing_ok=True)
-            self._proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n")
+            Path(job["status"]).unlink(missing_ok=True)
+            self._proc.stdin.write(json.dumps(job) + "\n")
             self._proc.stdin.flush()
             answer = self._proc.stdout.readline()
             if not answer.strip():
                 raise RuntimeError(f"the warm interpreter is gone (exit {self._proc.poll()})")
-            return WarmProcess(int(answer), log)
+            return WarmProcess(int(answer), Path(job["status"]))
 
 
 _spawner = _Spawner()
@@ -90,7 +90,15 @@ _spawner = _Spawner()
 
 def spawn(argv: list[str], env: dict[str, str], log: Path) -> WarmProcess:
     """`python -m duplexd *argv` with `env`, its stdout and stderr in `log`, forked from the warm interpreter."""
-    return _spawner.spawn(argv, env, log)
+    job = {"argv": argv, "env": env, "stdout": str(log), "stderr": str(log), "status": f"{log}.rc"}
+    return _spawner.spawn(job)
+
+
+def spawn_script(script: Path, argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> WarmProcess:
+    """`python SCRIPT *argv` in `cwd` with `env`, in a session of its own (its process group is its pid), output
+    in `out` and `err`, forked from the warm interpreter: a bench, which imports torch as a server does."""
+    job = {"script": str(script), "argv": argv, "env": env, "cwd": str(cwd), "session": True}
+    return _spawner.spawn(job | {"stdout": str(out), "stderr": str(err), "status": f"{out}.rc"})
 
 
 # ------------------------------------------------------------------------------------------- the warm interpreter
@@ -105,29 +113,40 @@ def _reap(signum: int, frame: object) -> None:
             return
         if pid == 0:
             return
-        log = _logs.pop(pid, None)
-        if log is not None:
-            partial = f"{log}.rc.part"
+        path = _statuses.pop(pid, None)
+        if path is not None:
+            partial = f"{path}.part"
             Path(partial).write_text(str(os.waitstatus_to_exitcode(status)))
-            os.replace(partial, f"{log}.rc")
+            os.replace(partial, path)
 
 
-_logs: dict[int, str] = {}
+_statuses: dict[int, str] = {}  # where each child's exit status goes, by pid
 
 
 def _child(job: dict) -> None:
-    handle = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if job.get("session"):
+        os.setsid()
+    if job.get("cwd"):
+        os.chdir(job["cwd"])
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    out = os.open(job["stdout"], flags | os.O_TRUNC, 0o644)
+    err = out if job["stderr"] == job["stdout"] else os.open(job["stderr"], flags | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(handle, 1)
-    os.dup2(handle, 2)
-    os.closerange(3, 256)  # the warm interpreter's pipes: a server holds only what it opens
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.closerange(3, 256)  # the warm interpreter's pipes: a child holds only what it opens
     os.environ.clear()
     os.environ.update(job["env"])
-    sys.argv = ["duplexd", *job["argv"]]
     code = 1
     try:
-        runpy.run_module("duplexd", run_name="__main__", alter_sys=True)
+        if job.get("script"):
+            sys.argv = [job["script"], *job["argv"]]
+            sys.path[0] = str(Path(job["script"]).parent)  # as `python SCRIPT` puts the script's folder first
+            runpy.run_path(job["script"], run_name="__main__")
+        else:
+            sys.argv = ["duplexd", *job["argv"]]
+            runpy.run_module("duplexd", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -154,7 +173,7 @@ def main() -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server reaps its own children (codec workers)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
             _child(job)
-        _logs[pid] = job["log"]
+        _statuses[pid] = job["status"]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         print(pid, flush=True)
 
