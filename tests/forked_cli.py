@@ -15,6 +15,8 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 from duplexd.commands.cli import COMMANDS
 
@@ -38,9 +40,15 @@ def _child(argv: list[str], env: dict[str, str], out: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     sys.argv = ["duplexd", *argv]
+    run_and_exit(lambda: runpy.run_module("duplexd", run_name="__main__", alter_sys=True))
+
+
+def run_and_exit(run: Callable[[], object]) -> NoReturn:
+    """A forked child's end: `run()`, then exit as the interpreter would (SystemExit's code, 1 after a traceback),
+    its output flushed, nothing of the parent's cleanup run."""
     code = 1
     try:
-        runpy.run_module("duplexd", run_name="__main__", alter_sys=True)
+        run()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -21,10 +21,9 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
-from .forked_cli import RUN_IMPORTS
+from .forked_cli import RUN_IMPORTS, run_and_exit
 
 
 class WarmProcess:
@@ -138,23 +137,12 @@ def _child(job: dict) -> None:
     os.closerange(3, 256)  # the warm interpreter's pipes: a child holds only what it opens
     os.environ.clear()
     os.environ.update(job["env"])
-    code = 1
-    try:
-        if job.get("script"):
-            sys.argv = [job["script"], *job["argv"]]
-            sys.path[0] = str(Path(job["script"]).parent)  # as `python SCRIPT` puts the script's folder first
-            runpy.run_path(job["script"], run_name="__main__")
-        else:
-            sys.argv = ["duplexd", *job["argv"]]
-            runpy.run_module("duplexd", run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    if job.get("script"):
+        sys.argv = [job["script"], *job["argv"]]
+        sys.path[0] = str(Path(job["script"]).parent)  # as `python SCRIPT` puts the script's folder first
+        run_and_exit(lambda: runpy.run_path(job["script"], run_name="__main__"))
+    sys.argv = ["duplexd", *job["argv"]]
+    run_and_exit(lambda: runpy.run_module("duplexd", run_name="__main__", alter_sys=True))
 
 
 def main() -> None:
