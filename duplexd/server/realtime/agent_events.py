@@ -12,12 +12,9 @@ them. A session reads what a cascade can honour: `instructions`, `tools`, `tool_
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
-
-from duplexd.server.connection.closing import Close
 
 from .audio_formats import BETA_NAMES, Format, format_object
 from .events import (
@@ -32,6 +29,7 @@ from .events import (
     TranscriptionSettings,
     parse_with,
     server_event,
+    session_update,
 )
 from .transcription_events import Clear, Commit, TurnDetectionSettings
 
@@ -236,14 +234,8 @@ def parse_event(text: str) -> Event:
 
 
 def parse_session(session: dict[str, Any]) -> SessionUpdate:
-    """A configuration given outside an event (an ephemeral key's, a call's) as the agent's `session.update`;
-    `RealtimeError` naming what is wrong in it."""
-    try:
-        event = parse_event(json.dumps({"type": "session.update", "session": session}))
-    except Close as e:
-        raise RealtimeError("invalid_value", e.message, None, "session") from None
-    assert isinstance(event, SessionUpdate)
-    return event
+    """An agent's configuration given outside an event, as its `session.update` (`session_update`)."""
+    return session_update(parse_event, SessionUpdate, session)
 
 
 def max_tokens(value: MaxTokens | None) -> int | None:

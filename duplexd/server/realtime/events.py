@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import json
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import numpy as np
@@ -288,15 +289,23 @@ def parse_with(events: TypeAdapter[T], text: str) -> T:
         raise refusal(e, text) from None
 
 
-def parse_session(session: dict[str, Any]) -> SessionUpdate:
-    """A configuration given outside an event (an ephemeral key's, a call's) as the `session.update` it means;
-    `RealtimeError` naming what is wrong in it."""
+U = TypeVar("U")
+
+
+def session_update(parse: Callable[[str], object], kind: type[U], session: dict[str, Any]) -> U:
+    """A configuration given outside an event (an ephemeral key's, a call's) as the `session.update` of `kind`
+    that `parse` makes of it; `RealtimeError` naming what is wrong in it."""
     try:
-        event = parse_event(json.dumps({"type": "session.update", "session": session}))
+        event = parse(json.dumps({"type": "session.update", "session": session}))
     except Close as e:
         raise RealtimeError("invalid_value", e.message, None, "session") from None
-    assert isinstance(event, SessionUpdate)
+    assert isinstance(event, kind)
     return event
+
+
+def parse_session(session: dict[str, Any]) -> SessionUpdate:
+    """A conversation's configuration given outside an event, as its `session.update` (`session_update`)."""
+    return session_update(parse_event, SessionUpdate, session)
 
 
 def decode_audio(event: AudioAppend, audio: InputAudio | None = None) -> np.ndarray:
