@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
-from transformers import (
-    AutoTokenizer,
-    Gemma4AudioFeatureExtractor,
-    Gemma4ForConditionalGeneration,
-    Gemma4ImageProcessorPil,
-    Gemma4Processor,
-)
 
 from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT
 
-
-class AudioProcessor(Gemma4Processor):
-    """The real processor without a video processor (that one needs torchvision, which audio never uses)."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+# transformers is imported by the tests that run it, not when the suite is collected (4-6 s of CPU a worker)
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers: pip install 'duplexd[gemma]'"
+)
 
 
-def load_reference(folder: Path) -> tuple[AudioProcessor, Gemma4ForConditionalGeneration]:
+def load_reference(folder: Path) -> tuple[Any, Any]:
+    """(the real processor without a video processor, Gemma4ForConditionalGeneration) on a Hugging Face folder."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma4AudioFeatureExtractor,
+        Gemma4ForConditionalGeneration,
+        Gemma4ImageProcessorPil,
+        Gemma4Processor,
+    )
+
+    class AudioProcessor(Gemma4Processor):
+        """The video processor needs torchvision, which audio never uses."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
     tok = AutoTokenizer.from_pretrained(folder)
     proc = AudioProcessor(
         feature_extractor=Gemma4AudioFeatureExtractor(),

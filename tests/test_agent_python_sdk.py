@@ -15,18 +15,18 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pytest
-from agents import function_tool
-from agents.realtime import RealtimeAgent, RealtimeRunner, RealtimeSession
-from agents.realtime.model_inputs import RealtimeModelRawClientMessage, RealtimeModelSendRawMessage
 
 from duplexd import wire
 
 from .agent_server import running_agent
 from .speech import needs_espeak, speak
+
+if TYPE_CHECKING:  # the SDK is imported by the tests that run it, not when the suite is collected
+    from agents.realtime import RealtimeRunner, RealtimeSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,7 +82,6 @@ async def collect(session: RealtimeSession, events: Events) -> None:
         events.changed.set()
 
 
-@function_tool
 def set_volume(level: int, mode: Literal["quiet", "loud"]) -> str:
     """Set the speaker volume.
 
@@ -105,7 +104,10 @@ def completed_calls(response: dict) -> list[dict]:
 
 
 def runner(settings: dict) -> RealtimeRunner:
-    agent = RealtimeAgent(name="Assistant", instructions=INSTRUCTIONS, tools=[set_volume])
+    from agents import function_tool
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    agent = RealtimeAgent(name="Assistant", instructions=INSTRUCTIONS, tools=[function_tool(set_volume)])
     return RealtimeRunner(starting_agent=agent, config={"model_settings": settings})
 
 
@@ -130,6 +132,15 @@ async def say(session: RealtimeSession, pcm: np.ndarray) -> None:
     for i in range(0, len(pcm), FRAME):
         await session.send_audio(wire.pcm16(pcm[i : i + FRAME]))
         await asyncio.sleep(0.08)
+
+
+async def send_raw(session: RealtimeSession, *messages: tuple[str, dict]) -> None:
+    """Client events the SDK passes on as they are: (type, the event's other fields)."""
+    from agents.realtime.model_inputs import RealtimeModelRawClientMessage, RealtimeModelSendRawMessage
+
+    for kind, data in messages:
+        message = RealtimeModelRawClientMessage(type=kind, other_data=data)
+        await session.model.send_event(RealtimeModelSendRawMessage(message=message))
 
 
 def finished(response: dict) -> bool:
@@ -187,11 +198,7 @@ def test_a_tool_call_is_run_by_the_sdk_and_answered(server):
         return bool(done) and len(done) == 1 + len(completed_calls(done[0]["response"]))
 
     async def script(session: RealtimeSession, events: Events) -> None:
-        for message in (
-            RealtimeModelRawClientMessage(type="conversation.item.create", other_data={"item": user}),
-            RealtimeModelRawClientMessage(type="response.create", other_data={"response": forced}),
-        ):
-            await session.model.send_event(RealtimeModelSendRawMessage(message=message))
+        await send_raw(session, ("conversation.item.create", {"item": user}), ("response.create", {"response": forced}))
         await events.until(lambda: answered(events))
 
     events = asyncio.run(in_session(server, settings, script))
@@ -220,11 +227,7 @@ def test_a_call_cut_short_is_not_run_and_the_conversation_goes_on(server):
     settings = {"max_output_tokens": 6, "tool_choice": "none", "turn_detection": None}
 
     async def script(session: RealtimeSession, events: Events) -> None:
-        for message in (
-            RealtimeModelRawClientMessage(type="conversation.item.create", other_data={"item": user}),
-            RealtimeModelRawClientMessage(type="response.create", other_data={"response": forced}),
-        ):
-            await session.model.send_event(RealtimeModelSendRawMessage(message=message))
+        await send_raw(session, ("conversation.item.create", {"item": user}), ("response.create", {"response": forced}))
         await events.until(lambda: events.server_of("response.done"))
         await session.send_message("Thank you.")
         await events.until(lambda: len(events.server_of("response.done")) == 2)

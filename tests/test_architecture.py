@@ -6,6 +6,7 @@ interfaces."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -355,10 +356,15 @@ def test_no_class_touches_a_private_attribute_of_another_class(folder):
     assert not offences, "\n".join(offences)
 
 
+@functools.cache
+def _every_foreign_private_use() -> tuple[str, ...]:
+    """The whole tree's offences, found once for every folder's case."""
+    return tuple(_foreign_private_uses({path: ast.parse(path.read_text()) for path in _modules().values()}))
+
+
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_no_private_attribute_of_another_file_is_touched(folder):
-    trees = {path: ast.parse(path.read_text()) for path in _modules().values()}
-    offences = [o for o in _foreign_private_uses(trees) if _folder(ROOT / o.split(":")[0]) == folder]
+    offences = [o for o in _every_foreign_private_use() if _folder(ROOT / o.split(":")[0]) == folder]
     assert not offences, "\n".join(offences)
 
 

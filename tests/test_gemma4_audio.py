@@ -7,19 +7,23 @@ The reference model gets non-default per_dim_scale, norm weights and clip bounds
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-from transformers import Gemma4AudioConfig as HFAudioConfig  # noqa: E402
-from transformers import Gemma4AudioFeatureExtractor, Gemma4AudioModel, Gemma4TextConfig  # noqa: E402
-from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder  # noqa: E402
+from duplexd.engine.models.gemma4_audio import Gemma4AudioConfig, Gemma4AudioEncoder
+from duplexd.engine.models.log_mel import LogMel
 
-from duplexd.engine.models.gemma4_audio import Gemma4AudioConfig, Gemma4AudioEncoder  # noqa: E402
-from duplexd.engine.models.log_mel import LogMel  # noqa: E402
+from .gemma4_ref import needs_transformers
 
+if TYPE_CHECKING:
+    from transformers import Gemma4AudioConfig as HFAudioConfig
+    from transformers import Gemma4AudioModel
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+
+pytestmark = needs_transformers
 TEXT_HIDDEN = 40
 CHUNK = 1280  # 80 ms at 16 kHz
 
@@ -30,6 +34,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tiny_hf_config(**kw) -> HFAudioConfig:
+    from transformers import Gemma4AudioConfig as HFAudioConfig
+
     base = dict(
         hidden_size=64,
         num_hidden_layers=3,
@@ -59,6 +65,9 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def reference_models(seed: int = 0, **kw) -> tuple[Gemma4AudioModel, Gemma4MultimodalEmbedder]:
+    from transformers import Gemma4AudioModel, Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+
     torch.manual_seed(seed)
     hc = tiny_hf_config(**kw)
     tower = Gemma4AudioModel(hc).eval()
@@ -101,6 +110,8 @@ def models():
 
 @pytest.fixture(scope="module")
 def fe():
+    from transformers import Gemma4AudioFeatureExtractor
+
     return Gemma4AudioFeatureExtractor()
 
 
@@ -217,7 +228,7 @@ def stream_alone(enc: Gemma4AudioEncoder, w: np.ndarray) -> torch.Tensor:
     )
 
 
-def test_streaming_equals_whole_file(models):
+def test_streaming_equals_whole_file(models, fe):
     tower, embed, enc = models
     (w,) = waves([CHUNK * 20], seed=5)
     state = enc.new_stream_state(2)
@@ -235,7 +246,7 @@ def test_streaming_equals_whole_file(models):
     assert rel_err(soft[:, :-1], full.soft_tokens[:, :-1]) <= 1e-5
     assert rel_err(hidden[:, -1:], full.hidden[:, -1:]) > 1e-4
     # And against transformers directly, on the same features.
-    inp = Gemma4AudioFeatureExtractor()([w], return_tensors="pt")
+    inp = fe([w], return_tensors="pt")
     with torch.no_grad():
         ref = tower(inp["input_features"], inp["input_features_mask"]).last_hidden_state
     assert rel_err(hidden[:, :-1], ref[:, :-1]) <= 1e-5

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-pytest.importorskip("transformers")
-from transformers import Gemma4AudioFeatureExtractor  # noqa: E402
+from duplexd.engine.errors import CheckpointError
+from duplexd.engine.weights.gemma4_checkpoint import load_gemma4_audio
+from tests.gemma4_ref import needs_transformers
+from tests.test_gemma4_audio import TEXT_HIDDEN, hf_state_dict, reference_models, rel_err, waves
 
-from duplexd.engine.errors import CheckpointError  # noqa: E402
-from duplexd.engine.weights.gemma4_checkpoint import load_gemma4_audio  # noqa: E402
-from tests.test_gemma4_audio import TEXT_HIDDEN, hf_state_dict, reference_models, rel_err, waves  # noqa: E402
+pytestmark = needs_transformers
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,8 @@ def test_load_matches_reference(ref, tmp_path, shards):
     tower, embed, sd, config = ref
     enc = load_gemma4_audio(write(tmp_path / "ckpt", sd, config, shards))
     assert enc.config.num_hidden_layers == 3 and enc.config.text_hidden_size == TEXT_HIDDEN
+    from transformers import Gemma4AudioFeatureExtractor
+
     inp = Gemma4AudioFeatureExtractor()(waves([30_000]), return_tensors="pt")
     with torch.no_grad():
         r = tower(inp["input_features"], inp["input_features_mask"])

@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 from duplexd.commands.cli import main
 from duplexd.commands.infer import read_audio
-from duplexd.engine.models.config import LMConfig
+from duplexd.engine.models.config import DEMO_MIMI, LMConfig
 from duplexd.engine.models.tokenizer import TextTokenizer, train_tokenizer
 from duplexd.engine.weights.checkpoint import read_lm_config
 
-from .ref_models import fused_state_dict, quantized_reference, reference_lm, reference_mimi
+from .ref_models import fused_state_dict, quantized_reference, reference_lm, reference_mimi, sharpen_mimi_
 
 FRAME = 1920
 
@@ -53,10 +53,13 @@ def checkpoint(tmp_path_factory):
     mimi = reference_mimi(seed=12)
     save_file(fused_state_dict(lm, cfg), str(root / "lm.safetensors"))
     save_file({k: v.contiguous() for k, v in mimi.state_dict().items()}, str(root / "mimi.safetensors"))
+    # the demo's tiny Mimi (sharpened, so the input shows in its codes) for the tests about the LM's weights alone
+    tiny = sharpen_mimi_(reference_mimi(seed=13, mimi_config=DEMO_MIMI.to_reference_dict()))
+    save_file({k: v.contiguous() for k, v in tiny.state_dict().items()}, str(root / "tiny_mimi.safetensors"))
     # As published config files and older releases wrote it: with the deprecated key the reference drops.
     config = {**cfg.to_reference_json(), "depformer_causal": True, "depformer_context": 8}
     (root / "config.json").write_text(json.dumps(config))
-    return root, lm, mimi
+    return root, lm, mimi, tiny
 
 
 @torch.no_grad()
@@ -77,7 +80,8 @@ def reference_run(lm, mimi, pcm: np.ndarray):
 
 
 def test_infer_matches_the_reference(checkpoint, tmp_path, capsys):
-    root, lm, mimi = checkpoint
+    """Kyutai's full-size Mimi, found from its file as `infer` finds it."""
+    root, lm, mimi, _ = checkpoint
     wav_in = tmp_path / "in.wav"
     sf.write(wav_in, speech_like(2.1, 16000), 16000)  # 16 kHz stereo: resampled and down-mixed
     args = [
@@ -145,8 +149,9 @@ def test_infer_on_the_demo_model(tmp_path):
 def test_infer_on_a_q8_checkpoint_matches_the_reference_on_the_dequantized_weights(checkpoint, tmp_path):
     """A Kyutai-style q8 folder (moshi's own `QLinear` quantization, fused naming, `"quantize": true`): greedy
     tokens frame by frame equal the reference's on the dequantized weights (fp32); `--weights-dtype int8` on the
-    float checkpoint equals it with the text head left float, as that flag leaves it."""
-    root, lm, mimi = checkpoint
+    float checkpoint equals it with the text head left float, as that flag leaves it. On the demo's tiny Mimi: only
+    the LM's weights differ from the test above."""
+    root, lm, _, mimi = checkpoint
     q8, dequantized = quantized_reference(lm)
     _, float_head = quantized_reference(lm, text_head=False)
     folder = tmp_path / "q8"
@@ -160,7 +165,7 @@ def test_infer_on_a_q8_checkpoint_matches_the_reference_on_the_dequantized_weigh
     sf.write(wav_in, speech_like(1.5, 24000, seed=2)[:, 0], 24000)
     pcm = read_audio(wav_in, 24000, FRAME)
     expected = {"q8": reference_run(dequantized, mimi, pcm)[0], "int8": reference_run(float_head, mimi, pcm)[0]}
-    common = ["--mimi-weight", str(root / "mimi.safetensors"), "--tokenizer", str(root / "tok.model")]
+    common = ["--mimi-weight", str(root / "tiny_mimi.safetensors"), "--tokenizer", str(root / "tok.model")]
     common += ["--temp", "0", "--temp-text", "0"]
     runs = {
         "q8": ["--moshi-weight", str(folder / "model.q8.safetensors"), "--config", str(folder / "config.json")],

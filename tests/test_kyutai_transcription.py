@@ -28,24 +28,22 @@ import sphn
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-transformers = pytest.importorskip("transformers")
+from duplexd.clients.audio import read_audio, write_wav
+from duplexd.clients.kyutai import encode_stream
+from duplexd.commands.cli import main
+from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT
+from duplexd.engine.transcription.vad import load_silero
+from duplexd.engine.weights.demo import ensure_demo
+from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo
+from duplexd.server.connection.query import BadQuery, transcription_from_query
+from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, USER_EVENTS, Kind, split_frames
 
-from duplexd.clients.audio import read_audio, write_wav  # noqa: E402
-from duplexd.clients.kyutai import encode_stream  # noqa: E402
-from duplexd.commands.cli import main  # noqa: E402
-from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT  # noqa: E402
-from duplexd.engine.transcription.vad import load_silero  # noqa: E402
-from duplexd.engine.weights.demo import ensure_demo  # noqa: E402
-from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
-from duplexd.server.connection.query import BadQuery, transcription_from_query  # noqa: E402
-from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, USER_EVENTS, Kind, split_frames  # noqa: E402
+from .gemma4_ref import generate, load_reference, needs_transformers
+from .live_server import LiveServer, running_server
+from .speech import TOLERANCE, compose, needs_espeak, speak_all
+from .test_transcription import reference_stops
 
-from .gemma4_ref import generate, load_reference  # noqa: E402
-from .live_server import LiveServer, running_server  # noqa: E402
-from .speech import TOLERANCE, compose, needs_espeak, speak_all  # noqa: E402
-from .test_transcription import reference_stops  # noqa: E402
-
-pytestmark = needs_espeak
+pytestmark = [needs_espeak, needs_transformers]
 MAX_NEW = 12  # --transcribe-max-tokens, and the reference's max_new_tokens
 RESULTS = ("transcript_completed", "transcript_failed")
 

@@ -21,7 +21,6 @@ import time
 import numpy as np
 import pytest
 
-transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 pytest.importorskip("websockets")
 
@@ -37,12 +36,12 @@ from duplexd.engine.transcription.vad import load_silero  # noqa: E402
 from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE, split_frames  # noqa: E402
 
-from .gemma4_ref import generate, load_reference  # noqa: E402
+from .gemma4_ref import generate, load_reference, needs_transformers  # noqa: E402
 from .live_server import running_server, running_side_by_side  # noqa: E402
 from .speech import TOLERANCE, compose, needs_espeak, speak_all  # noqa: E402
 from .test_transcription import reference_stops  # noqa: E402
 
-pytestmark = needs_espeak
+pytestmark = [needs_espeak, needs_transformers]
 MAX_NEW = 12
 FRAME_S = FRAME_SIZE / SAMPLE_RATE
 TRANSCRIBER = "gemma4-demo"  # the model id the server gives its demo transcriber

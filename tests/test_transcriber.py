@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from duplexd.clients.audio import speech_like, write_wav
+from duplexd.commands import cli
+from duplexd.engine.transcription.transcriber import STEP_SAMPLES, Transcriber, num_audio_tokens
 
-from duplexd.clients.audio import speech_like, write_wav  # noqa: E402
-from duplexd.commands import cli  # noqa: E402
-from duplexd.engine.transcription.transcriber import STEP_SAMPLES, Transcriber, num_audio_tokens  # noqa: E402
+from .gemma4_ref import generate, hf_inputs, needs_transformers
 
-from .gemma4_ref import generate, hf_inputs  # noqa: E402
-
+pytestmark = needs_transformers
 MAX_NEW = 16
 # Odd lengths: a partial last step with 0-7 valid frames, an exact multiple of the step, one sample past it.
 LENGTHS = [9_999, 17_337, 15_360, 15_361, 26_111]

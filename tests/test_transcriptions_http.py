@@ -22,7 +22,6 @@ import pytest
 import soundfile as sf
 from websockets.asyncio.client import connect
 
-transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from duplexd.engine.transcription.transcriber import DEFAULT_PROMPT  # noqa: E402
@@ -30,11 +29,11 @@ from duplexd.engine.transcription.vad import VAD_RATE, VadConfig, load_silero, s
 from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
 from duplexd.server.codec.upload import UploadError, decode  # noqa: E402
 
-from .gemma4_ref import generate, load_reference  # noqa: E402
+from .gemma4_ref import generate, load_reference, needs_transformers  # noqa: E402
 from .live_server import running_server  # noqa: E402
 from .speech import TOLERANCE, compose, needs_espeak, speak, speak_all  # noqa: E402
 
-pytestmark = [needs_espeak, pytest.mark.usefixtures("one_thread")]
+pytestmark = [needs_espeak, needs_transformers, pytest.mark.usefixtures("one_thread")]
 KEY = "transcribe-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_NEW = 8
