@@ -1,8 +1,9 @@
 """`duplexd infer --text-prompt T --voice-prompt V` on a tiny random PersonaPlex checkpoint, greedy: the
 --tokens-out JSONL from the first live frame on against the plain-Python statement of the reference's rules
 (`personaplex_ref`, with NVIDIA's ring rule), with a `.pt` preset and with an audio voice, the session running
-past the LM's window and 11 s of live audio past Mimi's (250 steps: 10 s, where the fork's Mimi parts from moshi's:
-the user's codes and the speech, by the reference Mimi with the fork's labels); and each refusal of a bad prompt."""
+past the LM's window; with the preset, 11 s of live audio past Mimi's too (250 steps: 10 s, where the fork's Mimi
+parts from moshi's: the user's codes and the speech, by the reference Mimi with the fork's labels); and each refusal
+of a bad prompt."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ from .test_infer import FRAME, speech_like
 # demo's tiny one, its window the real 250 steps (10 s), which 11 s of input overrun (the last frame zero-padded).
 CFG = dataclasses.replace(PP_SMALL, text_card=400, context=96)
 INPUT_SECONDS, LIVE = 11.0, 138
+# the tests of the prompt and the weights (the preset voice's test runs past Mimi's window for them all): 32 live
+# frames, still past the LM's window
+SHORT_SECONDS, SHORT_LIVE = 2.5, 32
 MIMI_WINDOW_FRAMES = DEMO_MIMI.context // DEMO_MIMI.downsample_stride  # 125
 ROLE = "You are a wise and friendly teacher who answers questions about the weather."
 VOICE_CODES = torch.randint(0, CFG.card, (5, 8), generator=torch.Generator().manual_seed(1)).tolist()
@@ -54,15 +58,16 @@ def files(tmp_path_factory):
     ref_mimi = sharpen_mimi_(reference_mimi(seed=12, mimi_config=DEMO_MIMI.to_reference_dict()))
     save_file({k: v.contiguous() for k, v in ref_mimi.state_dict().items()}, str(root / "mimi.safetensors"))
     sf.write(root / "in.wav", speech_like(INPUT_SECONDS, 24000, seed=3)[:, 0], 24000)
+    sf.write(root / "short.wav", speech_like(SHORT_SECONDS, 24000, seed=3)[:, 0], 24000)
     torch.save(preset_from_codes(CFG, ref_lm, VOICE_CODES), root / "voice.pt")
     sf.write(root / "voice.wav", speech_like(0.6, 16000, seed=5), 16000)  # resampled, channel 0
     return root, weights, ref_lm, ref_mimi
 
 
-def _args(root, weights, tmp_path, *extra: str, config=None) -> list[str]:
+def _args(root, weights, tmp_path, *extra: str, config=None, audio: str = "in.wav") -> list[str]:
     return [
         "infer",
-        str(root / "in.wav"),
+        str(root / audio),
         str(tmp_path / "out.wav"),
         "--moshi-weight",
         str(weights),
@@ -82,16 +87,17 @@ def _args(root, weights, tmp_path, *extra: str, config=None) -> list[str]:
     ]
 
 
-def _infer(files, tmp_path, role: str, voice: str) -> list[dict]:
+def _infer(files, tmp_path, role: str, voice: str, audio: str = "in.wav") -> list[dict]:
     root, weights, _, _ = files
-    assert main(_args(root, weights, tmp_path, "--text-prompt", role, "--voice-prompt", str(root / voice))) == 0
+    args = _args(root, weights, tmp_path, "--text-prompt", role, "--voice-prompt", str(root / voice), audio=audio)
+    assert main(args) == 0
     return [json.loads(line) for line in (tmp_path / "tokens.jsonl").read_text().splitlines()]
 
 
 @torch.no_grad()
-def _user_codes(ref_mimi, root, rule: str = "personaplex") -> list[list[int]]:
+def _user_codes(ref_mimi, root, rule: str = "personaplex", audio: str = "in.wav") -> list[list[int]]:
     """The input file's codes, one frame at a time through the reference Mimi, its rings labelled by `rule`."""
-    pcm = read_audio(root / "in.wav", 24000, FRAME)
+    pcm = read_audio(root / audio, 24000, FRAME)
     pcm = np.pad(pcm, (0, -len(pcm) % FRAME))
     with ref_mimi.streaming(1):
         if rule == "personaplex":
@@ -110,7 +116,7 @@ def _speech(ref_mimi, frames: list[dict]) -> np.ndarray:
         return np.concatenate([ref_mimi.decode(torch.tensor(f["audio"])[None, :, None])[0, 0].numpy() for f in frames])
 
 
-def _expected(files, role: str, codes=None, preset=None) -> list[dict]:
+def _expected(files, role: str, codes=None, preset=None, audio: str = "in.wav") -> list[dict]:
     """The statement's live calls: the prompt forced, then the user's codes one frame each."""
     root, _, ref_lm, ref_mimi = files
     sp = spm.SentencePieceProcessor(model_file=str(root / "tok.model"))
@@ -120,15 +126,15 @@ def _expected(files, role: str, codes=None, preset=None) -> list[dict]:
         session = ReferenceSession(CFG, oracle)
         session.prompt(text, codes=codes, preset=preset)
         prompted = len(session.calls)
-        live = [session.live(u) for u in _user_codes(ref_mimi, root)]
+        live = [session.live(u) for u in _user_codes(ref_mimi, root, audio=audio)]
     finally:
         oracle.close()
     assert prompted + len(live) > CFG.context + 10  # the session's last frames are well past the window
     return [{"frame": i, "text": c.output[0], "audio": c.output[1:9]} for i, c in enumerate(live)]
 
 
-def _check(ours: list[dict], expected: list[dict]) -> None:
-    assert len(ours) == len(expected) == LIVE  # every live frame has an output: the prompt warmed the delays up
+def _check(ours: list[dict], expected: list[dict], live: int = LIVE) -> None:
+    assert len(ours) == len(expected) == live  # every live frame has an output: the prompt warmed the delays up
     for a, b in zip(ours, expected, strict=True):
         assert a == b, f"frame {b['frame']}"
     assert len({r["text"] for r in ours} | {r["audio"][0] for r in ours}) > 3, "degenerate run"
@@ -161,7 +167,8 @@ def test_audio_voice_matches_the_reference_rules(files, tmp_path):
     mimi = load_mimi(root / "mimi.safetensors", mimi_ring_rule(DEMO_MIMI, cfg))
     codes = load_audio_voice(root / "voice.wav", mimi, cfg).codes  # checked in test_voices
     assert codes is not None and len(codes) == 8  # 0.6 s at 12.5 Hz, rounded up
-    _check(_infer(files, tmp_path, ROLE, "voice.wav"), _expected(files, ROLE, codes=codes.tolist()))
+    expected = _expected(files, ROLE, codes=codes.tolist(), audio="short.wav")
+    _check(_infer(files, tmp_path, ROLE, "voice.wav", audio="short.wav"), expected, SHORT_LIVE)
 
 
 def test_int8_weights_match_the_reference_rules_on_the_dequantized_weights(files, tmp_path):
@@ -171,15 +178,19 @@ def test_int8_weights_match_the_reference_rules_on_the_dequantized_weights(files
     _, dequantized = quantized_reference(ref_lm, text_head=False)
     state = torch.load(root / "voice.pt", weights_only=True)
     preset = (state["embeddings"][:, 0], len(VOICE_CODES), state["cache"][0].tolist())
-    args = _args(root, weights, tmp_path, "--text-prompt", ROLE, "--voice-prompt", str(root / "voice.pt"))
+    args = _args(
+        root, weights, tmp_path, "--text-prompt", ROLE, "--voice-prompt", str(root / "voice.pt"), audio="short.wav"
+    )
     assert main([*args, "--weights-dtype", "int8"]) == 0
     ours = [json.loads(line) for line in (tmp_path / "tokens.jsonl").read_text().splitlines()]
-    _check(ours, _expected((root, weights, dequantized, ref_mimi), ROLE, preset=preset))
+    expected = _expected((root, weights, dequantized, ref_mimi), ROLE, preset=preset, audio="short.wav")
+    _check(ours, expected, SHORT_LIVE)
 
 
 def test_one_prompt_word_changes_the_output(files, tmp_path):
-    base = _infer(files, tmp_path, ROLE, "voice.pt")
-    other = _infer(files, tmp_path, ROLE.replace("weather", "ocean"), "voice.pt")
+    base = _infer(files, tmp_path, ROLE, "voice.pt", audio="short.wav")
+    other = _infer(files, tmp_path, ROLE.replace("weather", "ocean"), "voice.pt", audio="short.wav")
+    assert len(base) == len(other) == SHORT_LIVE
     assert base[0] == other[0]  # the first live frame is forced: padding and silence
     assert base != other
 

@@ -19,7 +19,6 @@ import math
 import julius
 import numpy as np
 import torch
-from scipy.signal import lfilter
 from torch import nn
 
 GATE_SECONDS = 0.4  # a block
@@ -74,6 +73,8 @@ def _high_pass(rate: int, freq: float = 38.0, q: float = 0.5):
 
 def k_weighted(wav: np.ndarray, rate: int) -> np.ndarray:
     """The K-weighted signal (float64), each biquad's output clamped to ±1 as torchaudio's `lfilter` clamps it."""
+    from scipy.signal import lfilter  # ~1.5 s to import: paid by the first voice made, not by each importer
+
     x = np.asarray(wav, dtype=np.float64)
     for b, a in (_treble_shelf(rate), _high_pass(rate)):
         x = np.clip(lfilter(b / a[0], a / a[0], x), -1.0, 1.0)
