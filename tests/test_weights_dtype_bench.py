@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,22 +30,28 @@ def _module():
 bench = _module()
 
 
-def _run(*args: str) -> tuple[str, dict]:
-    done = subprocess.run(
-        [sys.executable, str(BENCH), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout, json.loads(done.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def run(capsys, one_thread):
+    """The bench's command line in this process (the suite's dry run runs it as a script, tests/test_bench_smoke.py):
+    its output and the JSON of its last line."""
+
+    def run(*args: str) -> tuple[str, dict]:
+        capsys.readouterr()
+        assert bench.main(list(args)) == 0
+        out = capsys.readouterr().out
+        return out, json.loads(out.strip().splitlines()[-1])
+
+    return run
 
 
 def _unit(x: float) -> bool:
     return 0.0 <= x <= 1.0
 
 
-def test_cpu_run(tmp_path):
+def test_cpu_run(tmp_path, run):
     args = ("--device", "cpu", "--preset", "demo", "--frames", "20", "--rows", "2", "--out", str(tmp_path))
     args += ("--batches", "1", "--steps", "2")
-    out, report = _run(*args)
+    out, report = run(*args)
     assert report == json.loads((tmp_path / "weights_dtype.json").read_text())  # "partial" gone at the end
     assert report["bench"] == "weights_dtype" and report["ok"] and report["preset"] == "demo"
 
@@ -86,8 +91,8 @@ def test_cpu_run(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without a CUDA device")
-def test_cuda_asked_for_without_one():
-    out, report = _run("--device", "cuda", "--stages", "kernel")
+def test_cuda_asked_for_without_one(run):
+    out, report = run("--device", "cuda", "--stages", "kernel")
     assert report == {"bench": "weights_dtype", "skipped": "no CUDA device"} and "no CUDA device" in out
 
 
