@@ -370,6 +370,7 @@ def test_startup_error(results, name):
     assert err.rstrip().endswith(lines[0]), err  # the last thing said
     assert "Traceback" not in err + proc.stdout, err
     assert "loading the LM" not in err and "loaded LM" not in err, err  # refused before any model is loaded
+    assert "Uvicorn running" not in err and "Started server" not in err, err  # nor any port bound
 
 
 @pytest.mark.parametrize(
