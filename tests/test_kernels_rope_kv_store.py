@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from duplexd.engine.dialogue import lm_gen
 from duplexd.engine.dialogue.lm_gen import LMGen
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.kv.paged import PagedBatch, PagedKVCache
@@ -32,12 +33,14 @@ from duplexd.kernels.rope_kv_store import (
     rope_store_quantized_reference,
     rope_store_quantized_triton,
 )
+from duplexd.kernels.sampling import sample_reference
 from duplexd.kernels.testing import poisoned_allocations
 
 from .test_kernels_kv_quant import DIM, HEADS, _pool  # D = 24: 12 pairs in a block of 16, the masks exercised
 from .test_kernels_lm import CFG, PARAMS
 
 POOLS = ("keys", "values", "k_scales", "v_scales")
+LM_PAGE = 2  # the LM test's pages
 
 
 def _qkv(gen: torch.Generator, batch: int, dtype: torch.dtype) -> torch.Tensor:
@@ -60,14 +63,14 @@ def _pages(kv: PagedKVCache) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernel_writes_what_the_unfused_path_writes_through_ring_wraps(dtype, kv_dtype):
-    """Slot 0 far into a conversation, slot 2 from position 0 and two padding rows in the scratch slot, 14 steps
-    (context 5 in pages of 3: the 6-position ring wraps twice, pages straddle the window edge): after every step
+    """Slot 0 far into a conversation, slot 2 from position 0 and two padding rows in the scratch slot, 9 steps
+    (context 3 in pages of 2: the 4-position ring wraps twice, pages straddle the window edge): after every step
     the three pools and the three q agree (module docs)."""
-    fused, unfused, ref = (_pool(kv_dtype, context=5, page_size=3, num_pages=6) for _ in range(3))
+    fused, unfused, ref = (_pool(kv_dtype, context=3, page_size=2, num_pages=6) for _ in range(3))
     gen = torch.Generator().manual_seed(7)
     scratch = fused.scratch_slot
     slots = torch.tensor([0, 2, scratch, scratch])
-    steps = 14
+    steps = 9
     assert steps > 2 * fused.max_pages * fused.page_size and 123_456 % (fused.max_pages * fused.page_size) == 0
     for t in range(steps):
         positions = torch.tensor([123_456 + t, t, 0, 0])
@@ -146,14 +149,15 @@ def _unfused_attend_rotary(self, layer, view, q, k, v, cos, sin):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "bf16"])
 def test_pool_attend_rotary_is_rope_then_attend(kv_dtype):
-    """Two layers, decode steps and a prefill view (runs of consecutive positions), on the CPU path and the Triton
-    path: outputs and pools bit for bit those of `rope_qk` then `attend`."""
+    """Two layers, two decode steps (each reading what the one before wrote) and a prefill view continuing slot 2
+    (a run of consecutive positions), on the CPU path and the Triton path: outputs and pools bit for bit those of
+    `rope_qk` then `attend`."""
     gen = torch.Generator().manual_seed(3)
     for triton in (False, True):
         pools = _pool(kv_dtype, layers=2), _pool(kv_dtype, layers=2)
         rows = torch.tensor([0, 2, pools[0].scratch_slot])
-        steps: list[PagedBatch] = [pools[0].batch(rows, torch.tensor([t + 3, t, 0])) for t in range(4)]
-        prefill = pools[0].batch(torch.tensor([2] * 6), torch.arange(4, 10), runs=((0, 6, 4),))
+        steps: list[PagedBatch] = [pools[0].batch(rows, torch.tensor([t + 3, t, 0])) for t in range(2)]
+        prefill = pools[0].batch(torch.tensor([2] * 4), torch.arange(2, 6), runs=((0, 4, 2),))  # after the steps
         for view in [*steps, prefill]:
             qkv = _qkv(gen, len(view.lengths), torch.float32)
             cos, sin = rope_angles(view.lengths.long() - 1, DIM, 10_000.0)
@@ -168,7 +172,9 @@ def test_pool_attend_rotary_is_rope_then_attend(kv_dtype):
 
 
 def _run_lm(model, codes, launched: list[str]) -> list:
-    gen = LMGen(model, num_slots=3, kv_dtype="int8")
+    gen = LMGen(model, num_slots=3, page_size=LM_PAGE, kv_dtype="int8")
+    # Context 3 in pages of 2: a ring of 4 positions, which both sessions wrap (slot 2 to position 5, slot 0 to 4).
+    assert gen.kv.max_pages * LM_PAGE < len(codes) - 1
     for slot in range(3):
         gen.reset(slot, SamplingParams(**{**PARAMS.__dict__, "seed": slot}))
     launched.clear()
@@ -181,9 +187,12 @@ def _run_lm(model, codes, launched: list[str]) -> list:
 
 
 def test_lm_steps_with_an_int8_pool_match_the_unfused_path(monkeypatch):
-    """`LMGen` on the Triton path with an int8 pool (context 3: the ring wraps), fused and with `attend_rotary`
-    put back to `rope_qk` then `attend`: the same logits and tokens bit for bit; the fused path launches its
-    kernel once per layer per step and never the standalone store or `rope_qk`'s kernel."""
+    """`LMGen` on the Triton path with an int8 pool (context 3 in pages of 2: the window slides and the ring
+    wraps), fused and with `attend_rotary` put back to `rope_qk` then `attend`: the same logits and tokens bit for
+    bit; the fused path launches its kernel once per layer per step and never the standalone store or `rope_qk`'s
+    kernel. The tokens are drawn by the torch sampler, a function of the logits compared here (the Triton sampler,
+    two thirds of the interpreter's time here, is checked against it in tests/test_kernels_lm.py and
+    tests/test_kernels_sampling.py)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launched: list[str] = []
@@ -194,11 +203,12 @@ def test_lm_steps_with_an_int8_pool_match_the_unfused_path(monkeypatch):
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", counting)
+    monkeypatch.setattr(lm_gen, "sample", sample_reference)
     model = random_lm(CFG, seed=0)
     codes = torch.randint(0, CFG.card, (6, 2, CFG.num_user_codebooks), generator=torch.Generator().manual_seed(1))
     fused = _run_lm(model, codes, launched)
     steps = len(codes)
-    assert launched.count("_rope_kv_store_kernel") == steps * CFG.num_layers
+    assert launched.count("_rope_kv_store_kernel") == steps * CFG.num_layers and "_sample_kernel" not in launched
     assert "_store_kv_kernel" not in launched and "_rope_qk_kernel" not in launched
     with monkeypatch.context() as m:
         m.setattr(PagedKVCache, "attend_rotary", _unfused_attend_rotary)

@@ -21,9 +21,9 @@ from duplexd.kernels.testing import poisoned_allocations
 
 CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 CONTEXT, PAGE, HEADS, DIM = 24, 5, 3, 20  # a ring of 5 pages (25 positions) over a 24-frame window
-# `PagedKVCache.attend`'s pool: a ring of 3 pages (9 positions) over a 7-frame window, so a few steps run past the
+# `PagedKVCache.attend`'s pool: a ring of 2 pages (6 positions) over a 4-frame window, so a few steps run past the
 # window and around the ring (the decode kernel's one split and one block of keys, as at the larger size on a CPU)
-POOL_CONTEXT, POOL_PAGE, POOL_STEPS = 8, 3, 14
+POOL_CONTEXT, POOL_PAGE, POOL_STEPS, POOL_LAG = 5, 3, 9, 2  # the later session starts POOL_LAG frames late
 
 
 def _quantized_pool(seed: int, kv_dtype: str, num_pages: int = 17):
@@ -53,15 +53,18 @@ def test_decode_over_codes_equals_attention_over_the_dequantized_cache(kv_dtype,
         out = decode_attention_triton(q, kc, vc, table, lengths, window, split_len=7, k_scales=ks, v_scales=vs)
     assert _relative(out, want) < 1e-5
     assert _relative(decode_attention_torch(q, kc, vc, table, lengths, window, None, ks, vs), want) < 1e-5
-    # The scales are applied, and each to its own side: swapping them or dropping one is far off.
-    wrong = decode_attention_triton(q, kc, vc, table, lengths, window, split_len=7, k_scales=vs, v_scales=ks)
+    # The scales are applied, and each to its own side: swapping them or dropping one is far off (one split each:
+    # the splits' scaling is the checked run's).
+    wrong = decode_attention_triton(q, kc, vc, table, lengths, window, k_scales=vs, v_scales=ks)
     assert _relative(wrong, want) > 0.1
     dropped = decode_attention_triton(q, kc, vc, table, lengths, window, k_scales=ks, v_scales=torch.ones_like(vs))
     assert _relative(dropped, want) > 0.1
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-@pytest.mark.parametrize(("first", "rows", "window"), [(0, 9, CONTEXT), (13, 20, CONTEXT - 1), (40, 11, CONTEXT)])
+# Within the window; from inside the window past it (position 23) and around the 25-position ring (25 to 27);
+# past the window with a wrapped ring throughout.
+@pytest.mark.parametrize(("first", "rows", "window"), [(0, 9, CONTEXT), (18, 10, CONTEXT - 1), (40, 11, CONTEXT)])
 def test_prefill_over_codes_equals_attention_over_the_dequantized_cache(kv_dtype, first, rows, window):
     """The CPU prefill (one causal call per run) and the GPU's (the decode kernel, one query per row)."""
     q, (kc, vc, ks, vs), (k, v), table = _quantized_pool(first + rows, kv_dtype)
@@ -95,16 +98,16 @@ def _pool(kv_dtype: str) -> PagedKVCache:
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_pool_attend_writes_and_reads_every_layer_with_its_own_scales(kv_dtype):
-    """Two layers, two sessions 4 frames apart and a padding row, 14 steps (both sessions past the window, both
+    """Two layers, two sessions 2 frames apart and a padding row, 9 steps (both sessions past the window, both
     rings wrapping): each step's output equals attention over the pool dequantized, on the CPU path and the Triton
     path; for int8 the Triton path writes its own pool, which stays bit for bit the CPU path's. For fp8 the Triton
     decode reads the pool the CPU path wrote (module docs)."""
     cpu, gpu = _pool(kv_dtype), _pool(kv_dtype)
-    assert POOL_STEPS - 1 - 4 >= cpu.max_pages * POOL_PAGE > cpu.window, "the later session's ring wraps too"
+    assert POOL_STEPS - 1 - POOL_LAG >= cpu.max_pages * POOL_PAGE > cpu.window, "the later session's ring wraps too"
     g = torch.Generator().manual_seed(3)
     slots = torch.tensor([0, 1, 2])
     for t in range(POOL_STEPS):
-        positions = torch.tensor([t, max(t - 4, 0), 0])
+        positions = torch.tensor([t, max(t - POOL_LAG, 0), 0])
         view = cpu.batch(slots, positions)
         q, k, v = (torch.randn(3, HEADS, DIM, generator=g) * s for s in (0.5, 2.0, 1.0))
         for layer in (0, 1):
