@@ -24,8 +24,9 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from moshi.models import loaders
 from moshi.models.tts import Entry
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -40,8 +41,9 @@ from duplexd.engine.tts.words import StreamWords, Word
 from duplexd.engine.weights.checkpoint import save_mimi_weights
 from duplexd.engine.weights.demo import ensure_demo
 
+from .built_once import built_once, computed_once
 from .live_server import running_server
-from .ref_models import reference_tts, tuned_tts_lm
+from .ref_models import reference_tts, tts_reference_kwargs, tuned_tts_lm
 from .test_asr_e2e import HEADERS, KEY, words_model
 
 SPEAKER_DIM, DELAY_STEPS, MAX_DELAY, FINAL_PADDING = 8, 5, 2, 4
@@ -75,7 +77,17 @@ IDLE = 2.0
 
 @pytest.fixture(scope="session")
 def model_folder(tmp_path_factory):
-    return write_model_folder(tmp_path_factory.mktemp("tts-model"), RAW)
+    """RAW's folder and moshi's LM in it, written once for the whole run (tuning the LM runs a generation)."""
+    root = built_once(tmp_path_factory, "tts-model", lambda root: write_model_folder(root, RAW))
+    return root / "tts", reference_tts_lm(root / "tts")
+
+
+def reference_tts_lm(folder):
+    """moshi's LM as `write_model_folder` saved it in `folder`."""
+    raw = json.loads((folder / "config.json").read_text())
+    lm = loaders.get_moshi_lm(None, lm_kwargs=tts_reference_kwargs(raw), device="cpu", dtype=torch.float32)
+    lm.load_state_dict(load_file(str(folder / raw["moshi_name"])))
+    return lm.eval()
 
 
 def write_model_folder(root, layout: dict):
@@ -138,7 +150,12 @@ def run(coro, timeout: float = 120):
 
 
 def expected(model_folder, text: str, voice: int, mimi: MimiStreams, twice: bool = True) -> list[dict]:
-    """The messages moshi-server sends for `text` (greedy), from moshi's generate."""
+    """The messages moshi-server sends for `text` (greedy), from moshi's generate; computed once per folder."""
+    beside = model_folder[0].parent  # not in the model's folder, which servers read
+    return computed_once(beside, (text, voice, twice), lambda: _expected(model_folder, text, voice, mimi, twice))
+
+
+def _expected(model_folder, text: str, voice: int, mimi: MimiStreams, twice: bool) -> list[dict]:
     folder, lm = model_folder
     splitter = StreamWords(TextTokenizer(folder / "tokenizer.model").encode)
     words = [word for message in messages_of(text) for word in splitter.split(message)]
