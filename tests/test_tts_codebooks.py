@@ -33,7 +33,6 @@ from .test_asr_e2e import HEADERS, KEY, words_model
 from .tts_server import (
     DELAY_STEPS,
     RAW,
-    TEXT,
     VOICES,
     assert_same,
     expected,
@@ -52,6 +51,9 @@ RAW_16 = RAW | {
     "delays": [0, 0] + [2] * 15,
     "depformer_weights_per_step_schedule": [0, 1, 1, 1] + [2] * 12,
 }
+# Shorter than the shared server's TEXT (52 frames, not 107: each reference run of 16 codebooks halves), its
+# punctuation, parentheses and break kept, and still past the 16-step context (asserted where it is said).
+TEXT = 'Hello there, a (short) test <break time="0.3s"/> words.'
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,7 @@ def test_speak_says_a_16_codebook_model_as_moshi(folder16, tmp_path, n_q):
     rows = [json.loads(line) for line in tokens.read_text().splitlines()]
     frames = moshi_frames(folder16, n_q or 16)
     assert [[r["text"], *r["audio"]] for r in rows] == frames
+    assert len(frames) - DELAY_STEPS > RAW_16["context"]  # the speech outlasts the window: it slides
     assert len(rows[-1]["audio"]) == (n_q or 16)
     mimi = MimiStreams(load_tts(folder, n_q=n_q).mimi, 1)
     codes = torch.tensor([f[1:] for f in frames[DELAY_STEPS:]]).t()[None]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -78,8 +80,18 @@ SCRIPTS = [
 ]
 
 
+SAID: dict[tuple, Any] = {}  # what each side says for the same arguments, computed once per `models`
+
+
+def once(key: tuple, compute: Callable[[], Any]) -> Any:
+    if key not in SAID:
+        SAID[key] = compute()
+    return SAID[key]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    SAID.clear()
     tmp = tmp_path_factory.mktemp("tts")
     voices = []
     for k in range(2):
@@ -97,7 +109,8 @@ def models(tmp_path_factory):
     model = load_lm(path, cfg)
     conditioner = Conditioner(tts, cfg.dim)
     load_conditioner(conditioner, path)
-    return ref, model, conditioner, tts, voices
+    yield ref, model, conditioner, tts, voices
+    SAID.clear()
 
 
 def reference_generate(ref_lm, scripts: list[list[Word]], voice_paths, cfg_coef: float = 2.0, n_q: int = 6):
@@ -107,11 +120,29 @@ def reference_generate(ref_lm, scripts: list[list[Word]], voice_paths, cfg_coef:
     return tts.generate(entries, attributes)
 
 
-def duplexd_generate(models, scripts, voice_indices, cfg_value: str = "2.0", n_q: int | None = None):
+def duplexd_generate(
+    models, scripts, voice_indices, cfg_value: str = "2.0", n_q: int | None = None, temperature=0.0, seed: int = 0
+):
     _, model, conditioner, tts, voices = models
     gen = TTSGen(model, conditioner, tts, num_slots=len(scripts), n_q=n_q)
     chosen = [Voice((voices[k][0],), (("control", "ok"), ("cfg", cfg_value))) for k in voice_indices]
-    return generate(gen, scripts, chosen, max_steps=400)
+    return generate(gen, scripts, chosen, temperature, seed, max_steps=400)
+
+
+def moshi_says(models, scripts: list[list[Word]], voice_indices: list[int], n_q: int = 6):
+    """`reference_generate` on the float model in those voices, run once per module for the same arguments."""
+    voices = models[4]
+    key = ("moshi", tuple(map(tuple, scripts)), tuple(voice_indices), n_q)
+    return once(key, lambda: reference_generate(models[0], scripts, [voices[k][1] for k in voice_indices], n_q=n_q))
+
+
+def duplexd_says(models, scripts: list[list[Word]], voice_indices: list[int], n_q: int = 6, temperature=0.0, seed=0):
+    """`duplexd_generate` (a fresh `TTSGen` of one slot a script, cfg "2.0"), run once per module for the same
+    arguments."""
+    key = ("duplexd", tuple(map(tuple, scripts)), tuple(voice_indices), n_q, temperature, seed)
+    return once(
+        key, lambda: duplexd_generate(models, scripts, voice_indices, n_q=n_q, temperature=temperature, seed=seed)
+    )
 
 
 def test_script_words_are_moshis_entries():
@@ -140,11 +171,9 @@ def test_word_feeder_follows_moshis_state_machine():
 
 
 def test_one_script_matches_generate(models):
-    ref_lm, *_ = models
-    voices = models[4]
     words = script_words([SCRIPTS[0]], encode)
-    theirs = reference_generate(ref_lm, [words], [voices[0][1]])
-    ours = duplexd_generate(models, [words], [0])[0]
+    theirs = moshi_says(models, [words], [0])
+    ours = duplexd_says(models, [words], [0])[0]
     frames = [f[0, :, 0].tolist() for f in theirs.frames]
     assert theirs.end_steps[0] is not None and len(frames) > 3 * DELAY_STEPS
     assert ours.frames == frames
@@ -162,11 +191,9 @@ def test_one_script_matches_generate(models):
 
 def test_a_batch_matches_generate(models):
     """Two scripts of different lengths in two voices, batched, as moshi batches them (one step for both)."""
-    ref_lm, *_ = models
-    voices = models[4]
     scripts = [script_words([text], encode) for text in SCRIPTS]
-    theirs = reference_generate(ref_lm, scripts, [voices[0][1], voices[1][1]])
-    ours = duplexd_generate(models, scripts, [0, 1])
+    theirs = moshi_says(models, scripts, [0, 1])
+    ours = duplexd_says(models, scripts, [0, 1])
     for b, result in enumerate(ours):
         assert result.frames == [f[b, :, 0].tolist() for f in theirs.frames], f"script {b}"
         assert result.consumed_at == theirs.all_consumption_times[b]
@@ -179,18 +206,16 @@ def test_fewer_codebooks_say_what_generate_says_with_them(models, n_q):
     the temporal transformer reads the zero token for the other 2. Two scripts batched in two voices: the frames
     (1 + n_q a row), end steps and consumption steps are generate's; 4 codebooks are not the first 4 of 6 (what
     the model reads back changes what it says next)."""
-    ref_lm, *_ = models
-    voices = models[4]
     scripts = [script_words([text], encode) for text in SCRIPTS]
-    theirs = reference_generate(ref_lm, scripts, [voices[0][1], voices[1][1]], n_q=n_q)
-    ours = duplexd_generate(models, scripts, [0, 1], n_q=n_q)
+    theirs = moshi_says(models, scripts, [0, 1], n_q=n_q)
+    ours = duplexd_says(models, scripts, [0, 1], n_q=n_q)
     for b, result in enumerate(ours):
         frames = [f[b, :, 0].tolist() for f in theirs.frames]
         assert len(frames[0]) == 1 + n_q
         assert result.frames == frames, f"script {b}"
         assert (result.end_step, result.consumed_at) == (theirs.end_steps[b], theirs.all_consumption_times[b])
     if n_q < 6:
-        full = duplexd_generate(models, scripts, [0, 1])
+        full = duplexd_says(models, scripts, [0, 1])
         assert [[row[: 1 + n_q] for row in r.frames] for r in full] != [r.frames for r in ours]
 
 
@@ -211,12 +236,7 @@ def test_sessions_at_different_positions_match_each_alone(models, temperature, p
     and through the DepFormer."""
     _, model, conditioner, tts, voices = models
     scripts = [script_words([text], encode) for text in SCRIPTS]
-    alone = [
-        generate(TTSGen(model, conditioner, tts, 1, n_q=n_q), [words], [Voice((voices[k][0],))], temperature, seed=k)[
-            0
-        ].frames
-        for k, words in enumerate(scripts)
-    ]
+    alone = [duplexd_says(models, [words], [k], n_q, temperature, seed=k)[0].frames for k, words in enumerate(scripts)]
     gen = TTSGen(model, conditioner, tts, num_slots=3, buckets=(4,), pad=pad, n_q=n_q)
     frames: list[list[list[int]]] = [[], []]
     gen.start(2, scripts[0], Voice((voices[0][0],)))  # slot 2 runs alongside, to be left out of a step
@@ -240,7 +260,7 @@ def test_sessions_at_different_positions_match_each_alone(models, temperature, p
 @pytest.mark.parametrize("change", ["word", "voice", "cfg"])
 def test_frames_change_with_the_input(models, change):
     words = script_words([SCRIPTS[0]], encode)
-    base = duplexd_generate(models, [words], [0])[0].frames
+    base = duplexd_says(models, [words], [0])[0].frames
     if change == "word":
         words = script_words([SCRIPTS[0].replace("short", "shirt")], encode)
         assert [w.tokens for w in words] != [w.tokens for w in script_words([SCRIPTS[0]], encode)]
@@ -259,15 +279,14 @@ def test_bad_input_is_refused_clearly(models):
 
 
 def test_sampling_is_seeded(models):
-    """At temperature 0.6 (the model's default): a seed gives the same frames every time, another seed others."""
-    _, model, conditioner, tts, voices = models
+    """At temperature 0.6 (the model's default): a seed gives the same frames every time (a fresh run against the
+    module's first run of it), another seed others."""
     words = script_words([SCRIPTS[1]], encode)
 
     def run(seed: int) -> list[list[int]]:
-        gen = TTSGen(model, conditioner, tts, num_slots=1)
-        return generate(gen, [words], [Voice((voices[0][0],))], temperature=0.6, seed=seed, max_steps=400)[0].frames
+        return duplexd_generate(models, [words], [1], temperature=0.6, seed=seed)[0].frames
 
-    first = run(1)
+    first = duplexd_says(models, [words], [1], temperature=0.6, seed=1)[0].frames
     assert run(1) == first and run(2) != first
 
 
@@ -295,8 +314,8 @@ def test_words_streamed_one_a_step_give_generates_frames(models, n_q):
     meanwhile without holding it up."""
     _, model, conditioner, tts, voices = models
     words = script_words([SCRIPTS[0]], encode)
-    theirs = reference_generate(models[0], [words], [voices[0][1]], n_q=n_q)
-    alone = duplexd_generate(models, [words], [0], n_q=n_q)[0]
+    theirs = moshi_says(models, [words], [0], n_q=n_q)
+    alone = duplexd_says(models, [words], [0], n_q=n_q)[0]
     assert alone.frames == [f[0, :, 0].tolist() for f in theirs.frames]
     gen = TTSGen(model, conditioner, tts, num_slots=2, n_q=n_q)
     gen.start(0, [], Voice((voices[0][0],)))
@@ -345,7 +364,7 @@ def test_a_q8_file_as_moshi_writes_it_says_what_moshi_says_on_its_weights(models
     ours = generate(TTSGen(model, conditioner, tts, 2), scripts, [Voice((voices[k][0],)) for k in (0, 1)])
     for b, result in enumerate(ours):
         assert result.frames == [f[b, :, 0].tolist() for f in theirs.frames], f"script {b}"
-    floats = duplexd_generate(models, scripts, [0, 1])
+    floats = duplexd_says(models, scripts, [0, 1])
     assert [r.frames for r in ours] != [r.frames for r in floats]
     float_path = tmp_path / "tts.safetensors"
     save_file({k: v.contiguous() for k, v in ref_lm.state_dict().items()}, str(float_path))
