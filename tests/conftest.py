@@ -9,9 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from . import parallel, system_tools  # noqa: E402
+from . import parallel, system_tools, triton_interpreter  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+triton_interpreter.install()
 
 # Session fixtures shared by several modules (one server with a TTS model for both of its protocols' tests; one
 # demo server without extras for the tests that only ask it a question).
