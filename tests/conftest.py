@@ -19,6 +19,10 @@ triton_interpreter.install()
 pytest_plugins = ["tests.live_server", "tests.tts_server"]
 
 
+def pytest_collection_modifyitems(items):
+    parallel.order(items)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_system(*tools): system tools the test needs (tests/system_tools.py)")
     parallel.configure(config)

@@ -1,12 +1,14 @@
 """The suite on every core, as `scripts/test.sh` runs it: `python -m tests.parallel [pytest arguments]`.
 
 pytest-xdist starts one worker per core and one more, and hands each a whole test file (`--dist loadfile`), so a
-module's fixtures (a `duplexd serve` process, a reference model) are built once; xdist hands out the files with the
-most tests first (handing out the longest first put the CPU-heavy files side by side, each slowing the other: 7.6
-minutes against 6.1). The extra worker fills the CPU while the others wait on the wall clock (servers starting,
-sessions paced at real time, browsers): on 2 cores, 1066 tests took 386 s with two workers and 359 s with three,
-for 14 % more CPU. Every process of the run (workers, the servers and benches they start) keeps to one intra-op
-thread: two workers with two threads each on two cores spent a third more CPU.
+module's fixtures (a `duplexd serve` process, a reference model) are built once. The files go out in `FIRST`'s
+order, then the others as collected: the long files first, so that none starts near the end and runs on alone,
+those that mostly wait on the wall clock (servers, real-time sessions, browsers) taking turns with those that
+compute (handing out the longest first with no such turns put the CPU-heavy ones side by side, each slowing the
+other: 7.6 minutes against 6.1 with two workers). The extra worker fills the CPU while the others wait: on 2
+cores, 1066 tests took 386 s with two workers and 359 s with three, for 14 % more CPU. Every process of the run
+(workers, the servers and benches they start) keeps to one intra-op thread: two workers with two threads each on
+two cores spent a third more CPU.
 
 Tests marked `realtime` pace sessions against the wall clock and check what arrives late; two workers on two cores
 would make them late. Such a test takes the CPU to itself: every test holds a shared `flock` on one file of the
@@ -57,10 +59,42 @@ def cpu_share(item: pytest.Item) -> Iterator[None]:
             fcntl.flock(cpu, fcntl.LOCK_UN)
 
 
+# The long files (a 2-core run's wall seconds each, 2026-12-06), computing and waiting in turns.
+FIRST = (
+    "test_bench_smoke.py",  # both: benches run two at a time beside it
+    "test_webrtc_agent.py",  # waits: calls paced at real time, a browser
+    "test_tts_parity.py",  # computes: the reference's 32-codebook DepFormer
+    "test_tts_streaming.py",  # waits: speech paced at real time
+    "test_sm90_compile.py",  # computes: Triton and ptxas, 47 kernels
+    "test_server_e2e.py",
+    "test_infer_persona.py",
+    "test_agent_realtime.py",
+    "test_tts_codebooks.py",
+    "test_kyutai_transcription.py",
+    "test_voice_cloning.py",
+    "test_web_chromium.py",
+    "test_infer.py",
+    "test_realtime_transcription.py",
+    "test_kernels_rope_kv_store.py",
+    "test_web_agent.py",
+    "test_asr_e2e.py",
+    "test_agent_python_sdk.py",
+    "test_clients_live.py",
+    "test_voice_server.py",
+)
+
+
+def order(items: list[pytest.Item]) -> None:
+    """`FIRST`'s files first, in its order; the rest as collected (xdist keeps it: `--no-loadscope-reorder`)."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: a file's tests keep their order
+
+
 def arguments(argv: list[str], cores: int) -> list[str]:
-    """pytest's arguments: a worker per core and one more, whole files per worker, unless the caller chose."""
+    """pytest's arguments: a worker per core and one more, whole files per worker in `order`, unless the caller
+    chose."""
     chosen = any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in argv)
-    return argv if chosen else ["-n", str(cores + 1), "--dist", "loadfile", *argv]
+    return argv if chosen else ["-n", str(cores + 1), "--dist", "loadfile", "--no-loadscope-reorder", *argv]
 
 
 def main() -> int:
