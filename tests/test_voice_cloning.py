@@ -171,8 +171,8 @@ def test_the_latent_follows_the_audio_and_the_denoiser(made, maker, voice_py):
 def test_the_denoiser_is_facebooks_demucs(weights, tmp_path):
     """dns64's keys and shapes are duplexd's; a random Demucs (16 wide, an odd length to pad) denoises alike."""
     state = torch.load(weights[1], map_location="cpu")
-    with torch.device("meta"):
-        ours = Denoiser(hidden=64).state_dict()
+    # built on the CPU (0.2 s), not the meta device: the sinc kernel's first ops there load torch's decompositions
+    ours = Denoiser(hidden=64).state_dict()
     assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in state.items()}
     torch.manual_seed(5)
     ref = Demucs(hidden=16).eval()
@@ -301,8 +301,20 @@ def small(tmp_path_factory):
     return root / "mimi.safetensors", root / "dns8.safetensors"
 
 
-def test_recordings_no_voice_is_made_of_are_refused(small, tmp_path):
-    maker = load_voice_maker(*small)
+@pytest.fixture(scope="module")
+def small_maker(small) -> VoiceMaker:
+    return load_voice_maker(*small)
+
+
+@pytest.fixture(scope="module")
+def demo_tts(tmp_path_factory):
+    """The demo TTS (32-wide voices), loaded once for the tests that take its config or its voices; from the cache
+    conftest points every test at (a module fixture is set up before that function-scoped setting)."""
+    return load_tts(demo_tts_folder(tmp_path_factory.getbasetemp() / "duplexd-cache"))
+
+
+def test_recordings_no_voice_is_made_of_are_refused(small_maker, tmp_path):
+    maker = small_maker
     cases = [
         (recording(0.6), "audio_too_short", "0.60 s long: at least 1 s"),
         (np.zeros(RATE * 4, np.float32), "silent_audio", "silent"),
@@ -363,7 +375,7 @@ def test_voices_are_made_one_at_a_time_and_the_queue_is_bounded():
 # ------------------------------------------------------------------------------------------- the server's settings
 
 
-def test_voice_cloning_settings_are_checked_before_anything_loads(weights, small, tmp_path):
+def test_voice_cloning_settings_are_checked_before_anything_loads(weights, small, demo_tts, tmp_path):
     mimi, dns = (str(p) for p in small)
     with pytest.raises(SettingsError, match="needs both --voice-mimi and --voice-denoiser"):
         ServerSettings.from_options({"voice_mimi": mimi, "tts": "demo-tts"})
@@ -380,7 +392,7 @@ def test_voice_cloning_settings_are_checked_before_anything_loads(weights, small
         check_cloning(not_mimi)
     # the released voice Mimi's 512-wide voices are not the demo TTS's 32-wide ones: refused, naming --voice-mimi
     full = ServerSettings.from_options({"voice_mimi": str(weights[0]), "voice_denoiser": dns, "tts": "demo-tts"})
-    tts = load_tts(demo_tts_folder()).tts
+    tts = demo_tts.tts
     with pytest.raises(CheckpointError, match=r"its voices are \[1, 512, 125\], the text-to-speech model takes") as e:
         load_cloning(full, tts)
     assert e.value.option == "voice_mimi"
@@ -392,14 +404,14 @@ def test_voice_cloning_settings_are_checked_before_anything_loads(weights, small
 # ------------------------------------------------------------------------------------------- duplexd voice make
 
 
-def test_voice_make_writes_a_voice_speak_and_the_servers_take(small, tmp_path, capsys):
+def test_voice_make_writes_a_voice_speak_and_the_servers_take(small, small_maker, demo_tts, tmp_path, capsys):
     mimi, dns = (str(p) for p in small)
     sf.write(tmp_path / "me.wav", recording(6.0, rate=44_100), 44_100)
     out = tmp_path / "me.safetensors"
     assert main(["voice", "make", str(tmp_path / "me.wav"), "--out", str(out), "--mimi", mimi, "--denoiser", dns]) == 0
     voice = load_file(str(out))["speaker_wavs"]
     assert voice.shape == (1, 32, 125)
-    want = load_voice_maker(mimi, dns).make(read_recording(tmp_path / "me.wav"))
+    want = small_maker.make(read_recording(tmp_path / "me.wav"))
     assert torch.allclose(voice, want, atol=1e-6)
     # `duplexd speak --voice FILE` says a text in it, and differently from a voice of the demo's
     for name, chosen in (("cloned.wav", str(out)), ("alice.wav", "demo/alice.wav")):
@@ -407,7 +419,7 @@ def test_voice_make_writes_a_voice_speak_and_the_servers_take(small, tmp_path, c
     cloned, alice = sf.read(tmp_path / "cloned.wav")[0], sf.read(tmp_path / "alice.wav")[0]
     assert len(cloned) and not np.array_equal(cloned[: len(alice)], alice[: len(cloned)])
     # a server's voices folder takes it under a name with the model's suffix
-    model = load_tts(demo_tts_folder())
+    model = demo_tts
     folder = tmp_path / "voices" / "mine"
     folder.mkdir(parents=True)
     (folder / ("me.wav" + model.tts.voice_suffix)).write_bytes(out.read_bytes())
