@@ -19,12 +19,15 @@ _state = threading.local()
 
 
 def install() -> None:
-    """Patch the interpreter's classes once, if Triton's interpreter is importable (a Triton without it: nothing)."""
+    """Patch the interpreter's classes once, where Triton's interpreter is the one described above (else: nothing)."""
     try:
         from triton.runtime import interpreter
     except ImportError:
         return
-    executor, function = interpreter.GridExecutor, interpreter.InterpretedFunction
+    executor = getattr(interpreter, "GridExecutor", None)
+    function = getattr(interpreter, "InterpretedFunction", None)
+    if executor is None or function is None or not hasattr(function, "rewrite"):
+        return  # another Triton's interpreter: run it as it is
     if getattr(executor, "_duplexd_tests", False):
         return
     run_grid, call_device = executor.__call__, function.__call__
