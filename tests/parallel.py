@@ -59,7 +59,8 @@ def cpu_share(item: pytest.Item) -> Iterator[None]:
             fcntl.flock(cpu, fcntl.LOCK_UN)
 
 
-# The long files (a 2-core run's wall seconds each, 2026-12-06), computing and waiting in turns.
+# The long files, longest first by a 2-core run's wall time (2026-12-06: 108 s down to 28 s), computing and
+# waiting in turns.
 FIRST = (
     "test_bench_smoke.py",  # both: benches run two at a time beside it
     "test_webrtc_agent.py",  # waits: calls paced at real time, a browser
