@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from . import parallel, system_tools, triton_interpreter  # noqa: E402
+from .live_server import demo_cache  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 triton_interpreter.install()
@@ -66,7 +67,7 @@ def no_launch(monkeypatch) -> list[str]:
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Never touch the user's cache: the demo model is written under a per-session temp dir."""
-    monkeypatch.setenv("DUPLEXD_CACHE", str(tmp_path_factory.getbasetemp() / "duplexd-cache"))
+    monkeypatch.setenv("DUPLEXD_CACHE", str(demo_cache(tmp_path_factory)))
 
 
 @pytest.fixture(scope="session")

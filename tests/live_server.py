@@ -30,6 +30,12 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This worker's duplexd cache (the demo models are written there): conftest points `DUPLEXD_CACHE` at it for
+    every test; a module or session fixture, set up before that, and a server's environment name it here."""
+    return tmp_path_factory.getbasetemp() / "duplexd-cache"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,7 +104,7 @@ def _shared_demo_server(tmp_path_factory) -> Iterator[LiveServer]:
     something a fresh and a used server answer alike; checked like a module's own at the end of the run."""
     from duplexd.engine.weights.demo import ensure_demo
 
-    cache = tmp_path_factory.getbasetemp() / "duplexd-cache"  # the one conftest points every test at
+    cache = demo_cache(tmp_path_factory)
     ensure_demo(cache)  # written before the server looks, so no test writing it at the same time races it
     log = tmp_path_factory.mktemp("demo-server") / "serve.log"
     with running_server(log, "--max-sessions", "1", env={"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}) as live:

@@ -18,14 +18,14 @@ import soundfile as sf
 from duplexd.clients.audio import SAMPLE_RATE, speech_like, write_wav
 from duplexd.commands.cli import main
 
-from .live_server import running_server
+from .live_server import demo_cache, running_server
 
 SLOTS = 2
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
-    cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
+    cache = demo_cache(tmp_path_factory)
     log = tmp_path_factory.mktemp("clients-server") / "serve.log"
     env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     with running_server(log, "--max-sessions", str(SLOTS), env=env) as live:

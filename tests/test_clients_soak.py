@@ -23,7 +23,7 @@ from duplexd.clients.soak_cli import length_range
 from duplexd.clients.stats import SessionTrace
 from duplexd.commands.cli import main
 
-from .live_server import running_server
+from .live_server import demo_cache, running_server
 
 
 def made_up_sessions() -> list[Churned]:
@@ -99,7 +99,7 @@ def test_metric_value_and_length_range():
 
 
 def test_live_churn_run(tmp_path_factory, tmp_path):
-    cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
+    cache = demo_cache(tmp_path_factory)
     env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     with running_server(tmp_path / "serve.log", "--max-sessions", "4", env=env) as live:
         assert server_capacity(ConnectOptions(url=live.url)) == 4

@@ -24,7 +24,7 @@ import pytest
 from duplexd.server.core import front_door
 from duplexd.server.core.front_door import FrontDoor
 
-from .live_server import running_server
+from .live_server import demo_cache, running_server
 from .test_server_e2e import Server, healthy_kyutai, kyutai_exchange, kyutai_greeting, kyutai_open, run
 
 HEADER_TIMEOUT = 2.0
@@ -117,7 +117,7 @@ def server(tmp_path_factory):
     except OSError:
         pytest.skip("connections from 127.0.0.2 need Linux's loopback")
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {"DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache")}
+    env = {"DUPLEXD_CACHE": str(demo_cache(tmp_path_factory))}
     args = ["--max-sessions", str(SLOTS), "--idle-timeout", str(IDLE), "--header-timeout", str(HEADER_TIMEOUT)]
     args += ["--max-connections-per-ip", str(PER_ADDRESS), "--max-connections", "1024", "--static", "none"]
     with running_server(log, *args, env=env) as live:

@@ -39,7 +39,7 @@ from duplexd.server.connection.query import BadQuery, transcription_from_query
 from duplexd.wire import FRAME_SECONDS, FRAME_SIZE, SAMPLE_RATE, USER_EVENTS, Kind, split_frames
 
 from .gemma4_ref import generate, load_reference, needs_transformers
-from .live_server import LiveServer, running_server
+from .live_server import LiveServer, demo_cache, running_server
 from .speech import TOLERANCE, compose, needs_espeak, speak_all
 from .test_transcription import reference_stops
 
@@ -50,7 +50,7 @@ RESULTS = ("transcript_completed", "transcript_failed")
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "duplexd-cache"
+    return demo_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
 from duplexd.wire import FRAME_SIZE, SAMPLE_RATE, split_frames  # noqa: E402
 
 from .gemma4_ref import generate, load_reference, needs_transformers  # noqa: E402
-from .live_server import running_server, running_side_by_side  # noqa: E402
+from .live_server import demo_cache, running_server, running_side_by_side  # noqa: E402
 from .speech import TOLERANCE, compose, needs_espeak, speak_all  # noqa: E402
 from .test_transcription import reference_stops  # noqa: E402
 
@@ -59,7 +59,7 @@ ITEM_EVENTS = (
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "duplexd-cache"
+    return demo_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import sphn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from .live_server import children, running_server
+from .live_server import children, demo_cache, running_server
 
 RATE, FRAME = 24000, 1920
 KEY = "test-key"
@@ -99,7 +99,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {"DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache")}
+    env = {"DUPLEXD_CACHE": str(demo_cache(tmp_path_factory))}
     with running_server(log, *SERVER_ARGS, env=env) as live:
         yield Server(live.port, live.proc, log)
     proc = live.proc

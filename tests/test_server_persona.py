@@ -52,7 +52,7 @@ from duplexd.server.core.persona import DEFAULT_TEXT, KYUTAI, REALTIME, PersonaR
 from duplexd.wire import pcm16, pcm_from_pcm16, split_frames
 
 from .browser import CHROMIUM, launch_args
-from .live_server import running_server
+from .live_server import demo_cache, running_server
 from .personaplex_files import PP_DEMO_TEXT, write_personaplex
 from .personaplex_ref import preset_from_codes
 from .system_tools import needs
@@ -88,7 +88,7 @@ def files(tmp_path_factory):
 
 
 def _env(tmp_path_factory) -> dict[str, str]:
-    return {"DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache"), "HF_HUB_OFFLINE": "1"}
+    return {"DUPLEXD_CACHE": str(demo_cache(tmp_path_factory)), "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")

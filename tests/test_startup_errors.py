@@ -24,6 +24,8 @@ import soundfile as sf
 from duplexd.engine.tts.demo import demo_tts_folder
 from duplexd.engine.weights.demo import ensure_demo, ensure_demo_stt
 
+from .live_server import demo_cache
+
 # name: (command line after `duplexd`, text the error line must hold, extra environment)
 CASES: dict[str, tuple[list[str], str, dict[str, str]]] = {
     "unknown device": (["serve", "--device", "tpu9"], "--device tpu9: not a device name; pick one of cpu", {}),
@@ -331,7 +333,7 @@ def _forked(
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
     tmp = tmp_path_factory.mktemp("startup")
-    cache = tmp_path_factory.getbasetemp() / "duplexd-cache"  # the one conftest points every test at
+    cache = demo_cache(tmp_path_factory)
     env = {**os.environ, "DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("DUPLEXD_") or k == "DUPLEXD_CACHE"}
     with pytest.MonkeyPatch.context() as mp:

@@ -30,7 +30,7 @@ from duplexd.engine.weights.gemma4_demo import ensure_gemma4_demo  # noqa: E402
 from duplexd.server.codec.upload import UploadError, decode  # noqa: E402
 
 from .gemma4_ref import generate, load_reference, needs_transformers  # noqa: E402
-from .live_server import running_server  # noqa: E402
+from .live_server import demo_cache, running_server  # noqa: E402
 from .speech import TOLERANCE, compose, needs_espeak, speak, speak_all  # noqa: E402
 
 pytestmark = [needs_espeak, needs_transformers, pytest.mark.usefixtures("one_thread")]
@@ -58,7 +58,7 @@ RATE, FRAME = 24_000, 1920
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "duplexd-cache"
+    return demo_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from duplexd.server.core.cloning import MAX_WAITING, CloningBusy, VoiceCloning, 
 from duplexd.server.core.settings import ServerSettings, SettingsError
 from duplexd.server.core.speech import load_voices
 
+from .live_server import demo_cache
 from .ref_models import reference_mimi
 
 RATE = 24_000
@@ -310,7 +311,7 @@ def small_maker(small) -> VoiceMaker:
 def demo_tts(tmp_path_factory):
     """The demo TTS (32-wide voices), loaded once for the tests that take its config or its voices; from the cache
     conftest points every test at (a module fixture is set up before that function-scoped setting)."""
-    return load_tts(demo_tts_folder(tmp_path_factory.getbasetemp() / "duplexd-cache"))
+    return load_tts(demo_tts_folder(demo_cache(tmp_path_factory)))
 
 
 def test_recordings_no_voice_is_made_of_are_refused(small_maker, tmp_path):

@@ -22,7 +22,7 @@ from duplexd.clients.connection import ConnectOptions
 from duplexd.clients.protocols import open_connection
 
 from .browser import CHROMIUM, launch_args
-from .live_server import running_server
+from .live_server import demo_cache, running_server
 from .speech import compose, needs_espeak, speak
 from .system_tools import needs
 
@@ -33,7 +33,7 @@ OUT = Path(__file__).resolve().parents[1] / "out"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "duplexd-cache"
+    cache = demo_cache(tmp_path_factory)
     log = tmp_path_factory.mktemp("web-server") / "serve.log"
     env = {"DUPLEXD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     # A long idle timeout: the refusal test's holder sends nothing while the browser, maybe slow beside another test

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from .live_server import running_server
+from .live_server import demo_cache, running_server
 
 pytest.importorskip("aiortc")
 from duplexd.clients.webrtc import MIC_RATE, Caller, post  # noqa: E402
@@ -28,7 +28,7 @@ ORIGIN = "http://app.example"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("webrtc") / "serve.log"
-    env = {"DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache")}
+    env = {"DUPLEXD_CACHE": str(demo_cache(tmp_path_factory))}
     args = ("--max-sessions", "2", "--api-key", KEY, "--allowed-origins", ORIGIN, "--webrtc-hosts", "127.0.0.1",
             "--webrtc-connect-timeout", "3", "--webrtc-jitter-frames", "1")  # fmt: skip
     with running_server(log, *args, env=env) as live:

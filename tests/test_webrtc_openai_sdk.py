@@ -29,7 +29,7 @@ from duplexd.wire import SAMPLE_RATE
 from .browser import CHROMIUM, launch_args
 from .browser_sdk import page_origin as serve_page
 from .browser_sdk import sdk_bundle as bundle_sdk
-from .live_server import running_server, running_side_by_side
+from .live_server import demo_cache, running_server, running_side_by_side
 from .system_tools import needs
 
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -114,7 +114,7 @@ def servers(tmp_path_factory, page_origin):
     """Two servers started side by side, each for one session per transport: without a transcriber and with the
     demo one."""
     logs = tmp_path_factory.mktemp("sdk-server")
-    env = {"DUPLEXD_CACHE": str(tmp_path_factory.getbasetemp() / "duplexd-cache")}
+    env = {"DUPLEXD_CACHE": str(demo_cache(tmp_path_factory))}
     args = ("--max-sessions", "2", "--api-key", KEY, "--allowed-origins", page_origin, "--webrtc-hosts", "127.0.0.1")
     with running_side_by_side(
         running_server(logs / "plain.log", *args, env=env),
