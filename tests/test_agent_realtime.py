@@ -254,6 +254,33 @@ def test_a_tool_call_then_its_output_is_answered(server):
     assert finished(second["response"]) and second["response"]["output"][0]["type"] == "message"
 
 
+def test_without_parallel_tool_calls_a_response_makes_one_call(server):
+    """`parallel_tool_calls: false`, the session's: one function call a response, whole, with its events alone, where
+    the demo's llama.cpp (which does not honour the flag) calls as often as it likes; a response's own `true` lifts
+    it. The session shows the setting."""
+
+    async def call() -> tuple[Seen, list[dict]]:
+        seen = Seen()
+        async with connect(server) as conn:
+            session = {**SHORT, "tools": [VOLUME], "max_output_tokens": 128, "parallel_tool_calls": False}
+            await opened(conn, seen, session)
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Quieter please."}]}
+            await conn.conversation.item.create(item=item)
+            responses = []
+            for params in ({}, {"parallel_tool_calls": True}):
+                await conn.response.create(response={"tool_choice": "required", **params})
+                responses.append((await until(conn, seen, "response.done"))["response"])
+        return seen, responses
+
+    seen, (single, parallel) = run(call())
+    assert seen.of("session.updated")[-1]["session"]["parallel_tool_calls"] is False
+    assert [o["type"] for o in single["output"]] == ["function_call"], single["output"]
+    kept = single["output"][0]["call_id"]
+    added = [e["item"]["call_id"] for e in seen.of("response.output_item.added") if e["response_id"] == single["id"]]
+    assert added == [kept]  # no event for a call dropped
+    assert parallel["output"] and all(o["type"] == "function_call" for o in parallel["output"])
+
+
 def test_client_mistakes_are_non_fatal_errors(server):
     """Each is an `error` the client can read, and the session goes on to answer."""
 

@@ -75,6 +75,7 @@ class Running:
     modalities: list[aev.Modality]
     max_output_tokens: aev.MaxTokens
     metadata: dict[str, str] | None
+    parallel_tool_calls: bool = True  # False: the LLM's calls after its first are dropped (servers may not honour it)
     message_id: str | None = None  # its message item, once it has words or audio
     output: list[dict[str, Any]] = field(default_factory=list)  # the finished output items, in order
     calls: dict[int, tuple[str, str, str]] = field(default_factory=dict)  # index → (item id, call id, name)
@@ -83,6 +84,10 @@ class Running:
     frames_sent: int = 0
     started: float | None = None  # when its first audio frame went out
     cancelled: str | None = None  # the reason, once cancelled
+
+    def takes_call(self, index: int) -> bool:
+        """Whether the LLM's call `index` is part of the response: any, or its first alone without parallel calls."""
+        return self.parallel_tool_calls or not self.calls or index in self.calls
 
     def played_ms(self) -> int:
         """Audio the client has had time to play: the frames sent, capped by the time since the first."""
@@ -108,6 +113,7 @@ class AgentAdapter(TranscriptionAdapter):
         self.instructions = DEFAULT_INSTRUCTIONS
         self.tools: list[aev.Tool] = []
         self.tool_choice: aev.ToolChoice = "auto"
+        self.parallel_tool_calls = True
         self.modalities: list[aev.Modality] = ["audio"]
         self.max_output_tokens: aev.MaxTokens = "inf"
         self.turn_detection: aev.AgentTurnDetection | None = aev.DEFAULT_TURN_DETECTION
@@ -135,6 +141,7 @@ class AgentAdapter(TranscriptionAdapter):
             self.instructions,
             self.tools,
             self.tool_choice,
+            self.parallel_tool_calls,
             self.modalities,
             self.max_output_tokens,
             self.turn_detection,
@@ -172,6 +179,8 @@ class AgentAdapter(TranscriptionAdapter):
             self.tools = s.tools
         if s.tool_choice is not None:
             self.tool_choice = s.tool_choice
+        if s.parallel_tool_calls is not None:
+            self.parallel_tool_calls = s.parallel_tool_calls
         modalities = s.output_modalities or s.modalities
         if modalities:
             self.modalities = ["audio"] if "audio" in modalities else ["text"]
@@ -431,6 +440,7 @@ class AgentAdapter(TranscriptionAdapter):
         tools = params.tools if params.tools is not None else self.tools
         tool_choice = params.tool_choice if params.tool_choice is not None else self.tool_choice
         limit = params.max_output_tokens if params.max_output_tokens is not None else self.max_output_tokens
+        parallel = params.parallel_tool_calls if params.parallel_tool_calls is not None else self.parallel_tool_calls
         messages = self.messages(params, event_id)
         forced = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, dict))
         prefill = self.agents.forced_call_prefill
@@ -439,10 +449,12 @@ class AgentAdapter(TranscriptionAdapter):
                 tools = [tool for tool in tools if tool.name == tool_choice.get("name")] or tools
             tool_choice = "required"
             messages.append({"role": "assistant", "content": prefill})
+        offered = [tool.chat_tool() for tool in tools] if tool_choice != "none" else []
         request = ChatRequest(
             messages,
-            tools=[tool.chat_tool() for tool in tools] if tool_choice != "none" else [],
+            tools=offered,
             tool_choice=_chat_tool_choice(tool_choice) if tools else None,
+            parallel_tool_calls=False if offered and not parallel else None,
             max_tokens=aev.max_tokens(limit),
         )
         speaker = None
@@ -457,6 +469,7 @@ class AgentAdapter(TranscriptionAdapter):
             ["audio"] if audio else ["text"],
             limit,
             params.metadata,
+            parallel,
         )
         self.running = running
         self.activity.set()
@@ -529,6 +542,8 @@ class AgentAdapter(TranscriptionAdapter):
                     await self.open_message(r)
                     r.text.append(event.text)
                     await self.send_lines([self.part_event("response.output_text.delta", r, delta=event.text)])
+            elif isinstance(event, ToolCallStart | ToolCallArguments | ToolCallEnd) and not r.takes_call(event.index):
+                continue  # `parallel_tool_calls: false`, and the LLM called again: one call a response
             elif isinstance(event, ToolCallStart):
                 await self.start_call(r, event)
             elif isinstance(event, ToolCallArguments):

@@ -100,6 +100,7 @@ class AgentSession(BaseModel):
     instructions: str | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     output_modalities: list[Modality] | None = None
     max_output_tokens: MaxTokens | None = Field(default=None, alias="max_response_output_tokens")
     audio: AgentAudio | None = None
@@ -187,6 +188,7 @@ class ResponseParams(BaseModel):
     instructions: str | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     output_modalities: list[Modality] | None = None
     modalities: list[Modality] | None = None  # beta
     max_output_tokens: MaxTokens | None = None
@@ -259,6 +261,7 @@ def session_object(
     instructions: str,
     tools: list[Tool],
     tool_choice: ToolChoice,
+    parallel_tool_calls: bool,
     modalities: list[Modality],
     max_output_tokens: MaxTokens,
     turn_detection: AgentTurnDetection | None,
@@ -275,6 +278,7 @@ def session_object(
         "instructions": instructions,
         "tools": [tool.model_dump(exclude_none=True) for tool in tools],
         "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel_tool_calls,
         "output_modalities": modalities,
         "max_output_tokens": max_output_tokens,
         "audio": {
