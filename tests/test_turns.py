@@ -36,3 +36,31 @@ def test_one_at_a_time_and_the_urgent_loop_first():
     for thread in [first, *waiting]:
         thread.join(10)
     assert order == ["speech 1", "engine", "speech 2"]
+
+
+def test_an_urgent_loop_that_is_always_waiting_lets_the_other_step_every_few_turns():
+    """Two urgent threads that always want the device (an engine behind real time) and a loop that steps between
+    them: the other loop's steps come at most `urgent_run` urgent turns apart, where before it never stepped."""
+    turns, order = DeviceTurns(urgent_run=2), []
+    stop = threading.Event()
+
+    def loop(name: str, urgent: bool) -> None:
+        while not stop.is_set():
+            with turns.turn(urgent):
+                order.append(name)
+                time.sleep(0.001)
+
+    threads = [threading.Thread(target=loop, args=(n, u)) for n, u in (("stt", True), ("stt", True), ("tts", False))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 5
+    while order.count("tts") < 30 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    for thread in threads:
+        thread.join(10)
+    steps = "".join("t" if name == "tts" else "s" for name in order)
+    assert steps.count("t") >= 30, steps
+    between = [len(run) for run in steps.split("t")[1:-1]]  # urgent turns between two of the other's
+    assert max(between) <= 3, steps  # two while it waited, and one that began before it asked again
+    assert steps.count("s") > 1.5 * steps.count("t"), steps  # the urgent loop still goes first
