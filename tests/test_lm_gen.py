@@ -129,3 +129,30 @@ def test_defaults_leave_tokens_unchanged(model):
         gen.reset(1, SamplingParams(text_temperature=0.0, seed=3))
         runs.append(torch.stack([gen.step(torch.tensor([0, 1]), codes[t].expand(2, -1)).tokens for t in range(16)]))
     assert torch.equal(*runs)
+
+
+def test_rows_sharing_one_top_k_draw_as_the_per_row_sampler(model, monkeypatch):
+    """On the CPU, a frame whose rows all have one audio top-k samples the DepFormer through `FrameSampler` (the
+    rows read once a frame); a frame with mixed top-ks through `sample`, row by row. Both draw the same tokens."""
+    import duplexd.engine.dialogue.lm_gen as lm_gen
+
+    real, made = lm_gen.FrameSampler, []
+
+    def spy(*args):
+        made.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(lm_gen, "FrameSampler", spy)
+    uniform, mixed = LMGen(model, num_slots=2), LMGen(model, num_slots=3)
+    for gen in (uniform, mixed):
+        gen.reset(0, PARAMS)
+        gen.reset(1, SamplingParams(audio_temperature=0.9, audio_topk=100, seed=3))
+    mixed.reset(2, SamplingParams(audio_topk=5, seed=5))
+    frames, codes = 8, _codes(8 * 3, 4).view(8, 3, -1)
+    for t in range(frames):
+        one = uniform.step(torch.tensor([0, 1]), codes[t, :2]).tokens
+        calls = len(made)
+        both = mixed.step(torch.tensor([0, 1, 2]), codes[t]).tokens
+        assert len(made) == calls, "mixed top-ks take the per-row sampler"
+        assert torch.equal(one, both[:2])
+    assert len(made) == frames

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from duplexd.kernels.sampling import sample
+from duplexd.kernels.dispatch import use_triton
+from duplexd.kernels.sampling import FrameSampler, sample
 from duplexd.kernels.text_penalties import repetition_penalty
 
 from ..kv.paged import PagedKVCache, window_pages
@@ -174,12 +175,13 @@ class LMGen:
         text = self.sample_text(slots, text_logits, text_temp, text_topk, seeds, positions)
         if self.cfg.text_only:
             return text, DepformerOutput(text.new_empty(len(text), 0), None)
-        out = self.model.forward_depformer(
-            hidden,
-            text,
-            lambda step, logits: sample(logits, audio_temp, audio_topk, seeds, positions, 1 + step),
-            want_logits=want_logits,
-        )
+        pick = lambda step, logits: sample(logits, audio_temp, audio_topk, seeds, positions, 1 + step)  # noqa: E731
+        if hidden.device.type == "cpu" and not use_triton(hidden):
+            top_k = audio_topk.unique()  # host data on the CPU: no sync to avoid
+            if len(top_k) == 1:  # every row's top-k the same (the default): the rows read once a frame
+                sampler = FrameSampler(audio_temp, int(top_k), seeds, positions, range(1, 1 + self.cfg.agent_codebooks))
+                pick = lambda step, logits: sampler(1 + step, logits)  # noqa: E731
+        out = self.model.forward_depformer(hidden, text, pick, want_logits=want_logits)
         return text, out
 
     @torch.no_grad()
