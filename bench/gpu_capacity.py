@@ -2,7 +2,8 @@
 
 Usage: python bench/gpu_capacity.py [--batches 1 8 32 48 64 72 80] [--steps 200] [--position 2999]
            [--granularity 4] [--budget-ms 80] [--session-frames N] [--kv-memory BYTES] [--max-sessions N]
-           [--preset moshi-7b] [--device cuda] [--kv-dtype bf16|int8|fp8] [--out DIR]   (CUDA defaults shown)
+           [--preset moshi-7b] [--device cuda] [--kv-dtype bf16|int8|fp8] [--attention-kernel split|paged]
+           [--out DIR]   (CUDA defaults shown)
 
 The preset's LM with random weights drawn on the device (bf16 on CUDA, as `duplexd serve --random-weights`) and
 its Mimi (fp32) run in one `Engine` with CUDA graphs. The KV pool is sized by the engine's own rule (what
@@ -56,6 +57,7 @@ from duplexd.engine.errors import CapacityError, SessionClosed  # noqa: E402
 from duplexd.engine.models.config import PRESETS
 from duplexd.engine.models.lm import LMModel  # noqa: E402
 from duplexd.engine.models.mimi import MimiModel  # noqa: E402
+from duplexd.kernels.decode_attention import ATTENTION_KERNELS  # noqa: E402
 
 FRAME_MS = 80.0
 WARM_STEPS = 3  # full-batch steps after the seek that are not timed (first reads of the whole window)
@@ -388,6 +390,7 @@ def last_line(report: dict) -> str:
             "device",
             "preset",
             "kv_dtype",
+            "attention_kernel",
             "status",
             "realtime_sessions",
             "kv_sessions",
@@ -431,6 +434,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", default="moshi-7b", choices=sorted(PRESETS))
     parser.add_argument("--device", default="cuda")
     add_kv_dtype(parser)
+    parser.add_argument(
+        "--attention-kernel", choices=ATTENTION_KERNELS, default="split", help="the Triton decode attention (A/B)"
+    )
     parser.add_argument("--out", type=Path, help="write gpu_capacity.json and gpu_capacity.md here")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -464,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         max_output_frames=frames,
         device=args.device,
         kv_dtype=args.kv_dtype,
+        attention_kernel=args.attention_kernel,
     )
     fit = pool_sessions(lm, mimi, base)
     buckets = buckets_for(grid, fit, args.granularity) if cuda else None
@@ -487,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "dtype": str(dtype).removeprefix("torch."),
         "kv_dtype": args.kv_dtype,
+        "attention_kernel": args.attention_kernel,
         "torch": torch.__version__,
         "position": args.position,
         "steps": args.steps,
@@ -497,7 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         "kv_pages": engine.kv.num_pages,
         "session_frames": args.session_frames,
     }
-    title = f"{args.preset} on {name}, KV {args.kv_dtype}, {meta['date']}: step time (ms) at position {args.position}"
+    title = (
+        f"{args.preset} on {name}, KV {args.kv_dtype}, attention {args.attention_kernel}, {meta['date']}: "
+        f"step time (ms) at position {args.position}"
+    )
     done: list[BatchResult] = []
 
     def run(batch: int) -> BatchResult:

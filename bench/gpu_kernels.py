@@ -4,13 +4,17 @@ Usage: python bench/gpu_kernels.py [--batches 1 8 32 128] [--lengths 1000 3000] 
 
 For each kernel and shape: correctness against the torch reference first (a failed check is reported and the
 timing skipped), then the median time of the Triton kernel and of torch eager, the bytes each call must move, the
-achieved bytes/s and its ratio to a measured device-to-device copy bandwidth. Prints a table and, as its last
-line, one JSON object. On a machine without CUDA it says so and exits cleanly.
+achieved bytes/s and its ratio to a measured device-to-device copy bandwidth. Decode attention runs once per kernel
+in `ATTENTION_KERNELS` (`decode_attention:<kernel>`, one eager timing for them all), over a bf16 pool and the
+engine's int8 one (codes + an fp32 scale per key and head), and each other kernel's time over "split"'s
+(`paged/split`: below 1 is faster). Prints a table and, as its last line, one JSON object. On a machine without
+CUDA it says so and exits cleanly.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -45,7 +49,6 @@ def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def cases(batches: list[int], lengths: list[int], dev: str = "cuda"):
     """Yields (kernel, shape, bytes moved, triton fn, eager fn, check fn -> (ok, detail))."""
-    from duplexd.kernels import decode_attention as da
     from duplexd.kernels import rms_norm as rn
     from duplexd.kernels import rope, sampling, silu_gate
 
@@ -116,28 +119,41 @@ def cases(batches: list[int], lengths: list[int], dev: str = "cuda"):
             )
 
         for length in lengths:
-            q = torch.randn(b, HEADS, HEAD_DIM, device=dev, dtype=BF16)
-            pages_per_row = -(-WINDOW // PAGE_SIZE)  # the engine's table: a column per page of the window
-            num_pages = b * pages_per_row
-            kp = torch.randn(num_pages, PAGE_SIZE, HEADS, HEAD_DIM, device=dev, dtype=BF16)
-            vp = torch.randn_like(kp)
-            table = torch.randperm(num_pages, device=dev).view(b, pages_per_row).to(torch.int32)
-            lens = torch.full((b,), length, device=dev)
-            moved = 2 * b * length * DIM * 2 + 2 * b * DIM * 2
-            call = (q, kp, vp, table, lens, WINDOW)
+            yield from attention_cases(b, length, dev)
+
+
+def attention_cases(b: int, length: int, dev: str):
+    """`cases` of decode attention at `b` rows over `length` cached frames: each kernel in ATTENTION_KERNELS over a
+    bf16 pool, then over that pool quantized to int8 (`kv_quant.quantize_reference`)."""
+    from duplexd.kernels import decode_attention as da
+    from duplexd.kernels.kv_quant import quantize_reference
+
+    q = torch.randn(b, HEADS, HEAD_DIM, device=dev, dtype=BF16)
+    pages_per_row = -(-WINDOW // PAGE_SIZE)  # the engine's table: a column per page of the window
+    num_pages = b * pages_per_row
+    kp = torch.randn(num_pages, PAGE_SIZE, HEADS, HEAD_DIM, device=dev, dtype=BF16)
+    vp = torch.randn_like(kp)
+    table = torch.randperm(num_pages, device=dev).view(b, pages_per_row).to(torch.int32)
+    lens = torch.full((b,), length, device=dev)
+    ks = vs = None
+    for kv in ("bf16", "int8"):
+        if kv == "int8":
+            (kp, ks), (vp, vs) = quantize_reference(kp, torch.int8), quantize_reference(vp, torch.int8)
+            want = da.decode_attention_reference(q.float(), kp, vp, table, lens, WINDOW, None, ks, vs)
+        else:
+            want = da.decode_attention_reference(q.float(), kp.float(), vp.float(), table, lens, WINDOW)
+        call = (q, kp, vp, table, lens, WINDOW, None, ks, vs)  # scale None: head_dim ** -0.5
+        per_key = HEAD_DIM * kp.element_size() + (4 if ks is not None else 0)  # codes (and their scale), K and V
+        for kernel in da.ATTENTION_KERNELS:
+            attend = functools.partial(da.decode_attention, *call, kernel=kernel)
             yield (
-                "decode_attention",
-                f"B={b} L={length}",
-                moved,
-                lambda c=call: da.decode_attention_triton(*c),
-                lambda c=call: da.decode_attention_reference(*c),
-                lambda c=call: _tol(
-                    da.decode_attention_triton(*c),
-                    da.decode_attention_reference(c[0].float(), c[1].float(), c[2].float(), *c[3:]),
-                    2e-2,
-                ),
+                f"decode_attention:{kernel}",
+                f"B={b} L={length} {kv}",
+                2 * b * length * HEADS * per_key + 2 * b * DIM * 2,
+                attend,
+                functools.partial(da.decode_attention_reference, *call),
+                lambda a=attend, w=want: _tol(a(), w, 2e-2),
             )
-            del kp, vp
 
 
 def _tol(got: torch.Tensor, want: torch.Tensor, tol: float) -> tuple[bool, str]:
@@ -165,15 +181,22 @@ def main() -> int:
     copy_bw = copy_bandwidth(args.reps)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     print(
-        f"{'kernel':<18} {'shape':<14} {'check':<22} {'triton us':>10} {'eager us':>10} {'speedup':>8} "
-        f"{'GB/s':>7} {'of copy':>8}"
+        f"{'kernel':<22} {'shape':<17} {'check':<22} {'triton us':>10} {'eager us':>10} {'speedup':>8} "
+        f"{'GB/s':>7} {'of copy':>8} {'paged/split':>11}"
     )
     rows = []
+    eager_ms: dict[tuple[str, str], float] = {}  # one eager timing per kernel and shape, whichever implementation
+    split_ms: dict[str, float] = {}  # decode attention's "split" time per shape
+    paged_over_split: dict[str, float] = {}
     for name, shape, moved, triton_fn, eager_fn, check in cases(args.batches, args.lengths):
         ok, detail = check()
         row = {"kernel": name, "shape": shape, "ok": ok, "check": detail, "bytes": moved}
+        base, _, impl = name.partition(":")
         if ok:
-            t_ms, e_ms = _bench_ms(triton_fn, args.reps), _bench_ms(eager_fn, args.reps)
+            t_ms = _bench_ms(triton_fn, args.reps)
+            if (base, shape) not in eager_ms:
+                eager_ms[base, shape] = _bench_ms(eager_fn, args.reps)
+            e_ms = eager_ms[base, shape]
             bw = moved / (t_ms * 1e-3)
             row.update(
                 triton_us=round(1e3 * t_ms, 2),
@@ -182,12 +205,16 @@ def main() -> int:
                 gbps=round(bw / 1e9, 1),
                 of_copy=round(bw / copy_bw, 3),
             )
+            if impl == "split":
+                split_ms[shape] = t_ms
+            if impl == "paged" and shape in split_ms:
+                row["paged/split"] = paged_over_split[shape] = round(t_ms / split_ms[shape], 3)
             print(
-                f"{name:<18} {shape:<14} {detail:<22} {1e3 * t_ms:>10.1f} {1e3 * e_ms:>10.1f} "
-                f"{e_ms / t_ms:>8.2f} {bw / 1e9:>7.0f} {bw / copy_bw:>8.2f}"
+                f"{name:<22} {shape:<17} {detail:<22} {1e3 * t_ms:>10.1f} {1e3 * e_ms:>10.1f} "
+                f"{e_ms / t_ms:>8.2f} {bw / 1e9:>7.0f} {bw / copy_bw:>8.2f} {row.get('paged/split', ''):>11}"
             )
         else:
-            print(f"{name:<18} {shape:<14} FAILED {detail}")
+            print(f"{name:<22} {shape:<17} FAILED {detail}")
         rows.append(row)
         torch.cuda.empty_cache()
     print(
@@ -196,6 +223,7 @@ def main() -> int:
                 "bench": "gpu_kernels",
                 "device": torch.cuda.get_device_name(),
                 "copy_gbps": round(copy_bw / 1e9, 1),
+                "paged/split": paged_over_split,
                 "rows": rows,
             }
         )

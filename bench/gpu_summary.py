@@ -3,10 +3,10 @@
 Usage: python bench/gpu_summary.py DIR
 
 Reads what the stages left in DIR (stages.tsv, gpu_kernels.log's JSON line, gpu_capacity.json/.md,
-prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt, kv_dtype.json, weights_dtype.json,
-stt/gpu_capacity.json/.md, tts.json/.md) and tolerates any of them missing: a stage that failed or timed out says
-so instead of its table (the prompt prefill bench prints a partial line after batch 1, so a run cut short still
-shows that).
+gpu_profile.json/.md, prompt_prefill.log's last JSON line, loadtest.json, serve_basis.txt, kv_dtype.json,
+weights_dtype.json, stt/gpu_capacity.json/.md, tts.json/.md, and a second call's int8/ and paged/ capacity
+sweeps) and tolerates any of them missing: a stage that failed or timed out says so instead of its table (the prompt
+prefill bench prints a partial line after batch 1, so a run cut short still shows that).
 The last line printed is one JSON object, `{"bench": "gpu_suite", ...}`: each stage's status and the headline
 figures. Standard library only, so it runs whatever else went wrong.
 """
@@ -67,6 +67,38 @@ def kernels_table(data: dict | None) -> tuple[str, str]:
     failed = sum(not r.get("ok") for r in rows)
     slower = sum(1 for r in rows if r.get("ok") and r["speedup"] < 1)
     return "\n".join(lines), f"kernels: {len(rows)} cases, {failed} failed checks, {slower} slower than eager"
+
+
+def _step_x_floor(run: dict) -> float | None:
+    """A profiled run's step (captured where there is a graph, else eager) over its floor."""
+    step = run.get("graph_ms") or run.get("eager_ms")
+    return round(step / run["floor_ms"], 2) if step and run.get("floor_ms") else None
+
+
+def profile_table(run: Path) -> tuple[str, str, dict | None]:
+    """(markdown, one-line verdict, report) from bench/gpu_profile.py: each part of a step against its floor. Its
+    JSON file is rewritten after every batch, so a stage cut short still shows the batches it finished."""
+    data = _load(run / "gpu_profile.json") or _json_line(run / "gpu_profile.log")
+    if data is None:
+        return "no result (see gpu_profile.log)", "profile: no result", None
+    if data.get("skipped"):
+        return f"skipped: {data['skipped']}", f"profile: skipped ({data['skipped']})", data
+    md = run / "gpu_profile.md"
+    words = []
+    for r in data.get("runs", []):
+        if r.get("status") != "ok":
+            words.append(f"batch {r['batch']} {r['kv_dtype']}: {r['status']}")
+            continue
+        what = "graph" if r.get("graph_ms") else "eager"
+        largest = max(r["parts"], key=lambda key: r["parts"][key]["ms"] or 0)
+        share = r["parts"][largest].get("share")
+        words.append(
+            f"batch {r['batch']} {r['kv_dtype']}: {what} step {r[f'{what}_ms']:.2f} ms = {_step_x_floor(r)}x its "
+            f"floor {r['floor_ms']:.2f} ms, most in {largest}" + ("" if share is None else f" ({100 * share:.0f} %)")
+        )
+    unfinished = " (unfinished)" if data.get("status") == "incomplete" else ""
+    table = md.read_text().strip() if md.is_file() else "no table (see gpu_profile.log)"
+    return table, f"profile{unfinished}: " + ("; ".join(words) or "nothing measured"), data
 
 
 def capacity_verdict(data: dict | None, what: str = "capacity", log: str = "gpu_capacity.log") -> str:
@@ -245,7 +277,7 @@ def weights_table(data: dict | None) -> tuple[str, str]:
 
 def headline(steps: list[list[str]], reports: dict[str, dict | None]) -> dict:
     """The run in one JSON object: each stage's status and the figures a reader looks for first."""
-    capacity, stt = reports["capacity"] or {}, reports["stt"] or {}
+    capacity, stt, profiled = reports["capacity"] or {}, reports["stt"] or {}, reports.get("profile") or {}
     prefill, load = reports["prefill"] or {}, (reports["load"] or {}).get("overall") or {}
     kv, weights = reports["kv"] or {}, reports["weights"] or {}
     return {
@@ -260,6 +292,9 @@ def headline(steps: list[list[str]], reports: dict[str, dict | None]) -> dict:
         "weights_int8_step_ratio_b1": ((weights.get("steps") or {}).get("ratio") or {}).get("1", {}).get("p50"),
         "tts_streams": (reports.get("tts") or {}).get("realtime_streams"),
         "tts_ttfa_ms_p50_b1": (reports.get("tts") or {}).get("ttfa_ms_p50_b1"),
+        "step_x_floor": {
+            f"{r['batch']}:{r['kv_dtype']}": _step_x_floor(r) for r in profiled.get("runs", []) if r["status"] == "ok"
+        },
     }
 
 
@@ -335,6 +370,7 @@ def main(argv: list[str]) -> int:
     run = Path(argv[0])
     steps = stages(run)
     kernels, kernels_line = kernels_table(_json_line(run / "gpu_kernels.log"))
+    profiled, profile_line, profile_data = profile_table(run)
     capacity = _load(run / "gpu_capacity.json")
     capacity_md = (run / "gpu_capacity.md").read_text() if (run / "gpu_capacity.md").is_file() else "no result"
     prefill, prefill_line = prefill_table(_json_line(run / "prompt_prefill.log"))  # printed partial lines too
@@ -346,6 +382,11 @@ def main(argv: list[str]) -> int:
     stt = _load(run / "stt" / "gpu_capacity.json")
     stt_md_path = run / "stt" / "gpu_capacity.md"
     stt_md = stt_md_path.read_text() if stt_md_path.is_file() else "no result"
+    second = {name: _load(run / name / "gpu_capacity.json") for name in ("int8", "paged")}  # a second call's
+    second_md = {
+        name: (run / name / "gpu_capacity.md").read_text() if (run / name / "gpu_capacity.md").is_file() else "not run"
+        for name in second
+    }
     tts = _load(run / "tts.json")
     tts_md = (run / "tts.md").read_text() if (run / "tts.md").is_file() else "no result"
     basis = (run / "serve_basis.txt").read_text().strip() if (run / "serve_basis.txt").is_file() else ""
@@ -368,6 +409,8 @@ def main(argv: list[str]) -> int:
                 kernels,
                 "## Capacity (bench/gpu_capacity.py)",
                 capacity_md.strip(),
+                "## Where a step goes (bench/gpu_profile.py: each part against the least its bytes take)",
+                profiled,
                 "## Persona prompt prefill (bench/prompt_prefill.py)",
                 prefill,
                 f"## Load test against `duplexd serve --random-weights` ({basis or 'not run'})",
@@ -380,6 +423,10 @@ def main(argv: list[str]) -> int:
                 stt_md.strip(),
                 "## Text-to-speech streams (bench/gpu_tts.py, Kyutai TTS 1.6B; goal >= 128, first audio <= 150 ms)",
                 tts_md.strip(),
+                "## Capacity with int8 KV, up to 160 sessions (a second call's `capacity_int8`)",
+                second_md["int8"].strip(),
+                "## Capacity with the paged decode attention (a second call's `capacity_paged`; A/B against split)",
+                second_md["paged"].strip(),
             ]
         )
         + "\n"
@@ -388,11 +435,18 @@ def main(argv: list[str]) -> int:
     print(f"summary: {run / 'summary.md'}")
     print(stage_table)
     stt_line = capacity_verdict(stt, f"{(stt or {}).get('preset', 'stt-1b')} streams", "stt_capacity.log")
-    lines = (kernels_line, capacity_verdict(capacity), prefill_line, load_line, kv_line, weights_line, stt_line)
-    for line in (*lines, tts_verdict(tts)):
+    lines = (kernels_line, capacity_verdict(capacity), profile_line, prefill_line, load_line, kv_line, weights_line)
+    for line in (*lines, stt_line, tts_verdict(tts)):
         print(line)
+    for name, what in (("int8", "capacity, int8 KV"), ("paged", "capacity, paged attention")):
+        if second[name] is not None or (run / f"capacity_{name}.log").is_file():
+            print(capacity_verdict(second[name], what, f"capacity_{name}.log"))
     reports = {"capacity": capacity, "stt": stt, "prefill": prefill_data, "load": load_data, "tts": tts}
-    print(json.dumps(headline(steps, {**reports, "kv": kv_data, "weights": weights_data})))
+    reports["profile"] = profile_data
+    last = headline(steps, {**reports, "kv": kv_data, "weights": weights_data})
+    last["int8_kv_realtime_sessions"] = (second["int8"] or {}).get("realtime_sessions")
+    last["paged_attention_realtime_sessions"] = (second["paged"] or {}).get("realtime_sessions")
+    print(json.dumps(last))
     return 0
 
 

@@ -3,7 +3,8 @@
 The interpreter the unit tests use does not specialise arguments; the GPU compiler does (an int argument equal to
 1 becomes a compile-time constant, ints divisible by 16 and 16-byte-aligned pointers get hints), so a kernel can
 pass every interpreter test and still fail to compile for the engine. This script installs a stand-in driver
-that reports an sm_90 device, steps `LMGen` over a Moshi 7B model with bf16 and with int8 weights, and over Kyutai
+that reports an sm_90 device, steps `LMGen` over a Moshi 7B model with bf16 and with int8 weights (and with each
+other decode attention kernel), and over Kyutai
 STT 2.6B (head dim 64, batches up to 400), on the `meta`
 device (no memory, no data; a meta view's `data_ptr()` is its byte offset, so alignment hints come out as on the
 GPU) and, instead of launching, compiles each launch exactly as Triton would (specialisation, front end, ptxas)
@@ -16,7 +17,7 @@ static arguments, and therefore the compiled variants, depend on the batch size,
 sizes of the model and pool alone; the `meta` device cannot hold positions anyway.
 
 Must run without TRITON_INTERPRET (kernels decorated in interpreter mode are not JITFunctions):
-`python tests/sm90_compile.py [--json report.json]` prints a table; tests/test_sm90_compile.py runs it.
+`python tests/sm90_compile.py [--json report.json] [--sass]` prints a table; tests/test_sm90_compile.py runs it.
 """
 
 from __future__ import annotations
@@ -108,6 +109,47 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     }
 
 
+def loop_instructions(cubin: bytes) -> int:
+    """SASS instructions in the kernel's longest loop (from a backward branch to its target; 0 without a loop), read
+    with the `cuobjdump` beside Triton's ptxas: what one step of its main loop issues per warp."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "kernel.cubin")
+        path.write_bytes(cubin)
+        cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
+        sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    at: dict[int, int] = {}  # address -> instruction index
+    longest = 0
+    for line in sass.splitlines():
+        found = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if found is None:
+            continue
+        address = int(found.group(1), 16)
+        index = at[address] = len(at)
+        branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", found.group(2))
+        target = int(branch.group(1), 16) if branch else address
+        if target < address and target in at:  # backward: a loop (not the branch to itself that ends every kernel)
+            longest = max(longest, index - at[target] + 1)
+    return longest
+
+
+def loop_shuffles(ttgir: str) -> int:
+    """Layout conversions inside the kernel's loops (`ttg.convert_layout` in an `scf.for` body, TTGIR): each moves
+    a tile between threads, through shared memory where it crosses warps, on every step of the loop."""
+    regions: list[bool] = []  # per open region: is it a loop body
+    count = 0
+    for line in ttgir.splitlines():
+        if "ttg.convert_layout" in line and any(regions):
+            count += 1
+        opened = line.count("{") - line.count("}")
+        if opened > 0:
+            regions += ["scf.for" in line] * opened
+        elif opened < 0:
+            del regions[opened:]
+    return count
+
+
 def _signature(jit_fn, specialization: list[tuple[str, Any]]) -> str:
     """`name:type` per argument: `/16` marks a divisibility (or alignment) hint, `=v` a compile-time constant."""
     parts = []
@@ -122,9 +164,10 @@ def _signature(jit_fn, specialization: list[tuple[str, Any]]) -> str:
 class Recorder:
     """Stands in for `JITFunction.run`: a launch compiles (once per specialisation), is recorded, runs nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, sass: bool = False) -> None:
         from triton.runtime.jit import JITFunction
 
+        self.sass = sass  # also count each variant's longest loop in SASS (a cuobjdump run each, ~0.8 s of CPU)
         self.compile_only = JITFunction.run  # the real one, called with warmup=True: compiles, launches nothing
         # Compiles run on worker threads while the engine is driven on (ptxas is a subprocess; each variant is its own
         # compile): `finish` waits for them.
@@ -187,7 +230,11 @@ class Recorder:
         try:
             kernel = self.compile_only(jit_fn, *args, grid=grid, warmup=True, **kwargs)
             record.update(
-                num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])
+                num_warps=kernel.metadata.num_warps,
+                shared=kernel.metadata.shared,
+                loop_shuffles=loop_shuffles(kernel.asm["ttgir"]),
+                **ptxas_usage(kernel.asm["ptx"]),
+                **({"loop_instructions": loop_instructions(kernel.asm["cubin"])} if self.sass else {}),
             )
         except Exception as e:  # the report carries every failure; the test asserts there are none
             record["error"] = f"{type(e).__name__}: {e}"
@@ -223,35 +270,65 @@ def kernel_inventory() -> tuple[list[str], list[str]]:
     return sorted(set(jit_fns) - called), sorted(called)
 
 
-def drive_engine(recorder: Recorder, batches: tuple[int, ...], layers: int | None) -> None:
-    """`LMGen.step` under `force_triton` at each batch size and KV format (`--kv-dtype`): Moshi 7B (`layers`
-    temporal and DepFormer layers if given), bf16 weights, on `meta` (with an 8-bit pool, the standalone store at
-    the same batch too); then with int8 weights (`--weights-dtype
-    int8`: every projection through the W8A16 kernel) at each batch size with a bf16 pool, and its prefill."""
-    from duplexd.engine.dialogue.lm_gen import LMGen
-    from duplexd.engine.kv.dtypes import KV_DTYPES
+def moshi_models(layers: int | None) -> dict[str, Any]:
+    """Moshi 7B on `meta` (`layers` temporal and DepFormer layers if given), by `WEIGHTS_DTYPES`."""
     from duplexd.engine.models.config import PRESETS
     from duplexd.engine.weights.checkpoint import build_lm, int8_plan
-    from duplexd.kernels.dispatch import force_triton
 
     cfg = PRESETS["moshi-7b"]
     if layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=layers, depformer_num_layers=layers)
-    models = {
+    return {
         w: build_lm(cfg, device="meta", dtype=torch.bfloat16, int8=int8_plan(cfg, set(), w)) for w in WEIGHTS_DTYPES
     }
+
+
+def step_on_meta(recorder: Recorder, model, batch: int, context: str, kv_dtype: str = "bf16", attention: str = "split"):
+    """One `LMGen.step` of `model` at `batch` rows under `force_triton`, its launches recorded as `context`; the
+    LMGen."""
+    from duplexd.engine.dialogue.lm_gen import LMGen
+    from duplexd.kernels.dispatch import force_triton
+
+    gen = LMGen(model, num_slots=batch, kv_dtype=kv_dtype)
+    gen.kv.attention_kernel = attention
+    user_codes = torch.zeros(batch, model.cfg.num_user_codebooks, dtype=torch.long, device="meta")
+    recorder.context = context
+    with force_triton():
+        gen.step(torch.arange(batch, device="meta"), user_codes)
+    return gen
+
+
+def drive_engine(recorder: Recorder, models: dict[str, Any], batches: tuple[int, ...], layers: int | None) -> None:
+    """`LMGen.step` under `force_triton` at each batch size and KV format (`--kv-dtype`): Moshi 7B (`models`),
+    bf16 weights, on `meta` (with an 8-bit pool, the standalone store at the same batch too); then with int8 weights
+    (`--weights-dtype int8`: every projection through the W8A16 kernel) at each batch size with a bf16 pool, and
+    its prefill."""
+    from duplexd.engine.kv.dtypes import KV_DTYPES
+
     for weights, kv_dtype in [*(("bf16", kv) for kv in KV_DTYPES), ("int8", "bf16")]:
         for batch in batches:
-            gen = LMGen(models[weights], num_slots=batch, kv_dtype=kv_dtype)
-            user_codes = torch.zeros(batch, cfg.num_user_codebooks, dtype=torch.long, device="meta")
-            recorder.context = step_context(batch, kv_dtype, weights)
-            with force_triton():
-                gen.step(torch.arange(batch, device="meta"), user_codes)
+            gen = step_on_meta(recorder, models[weights], batch, step_context(batch, kv_dtype, weights), kv_dtype)
             if gen.kv.k_scales is not None:
                 drive_standalone_store(recorder, gen.kv, batch)
-        drive_prefill(recorder, cfg, kv_dtype, weights)
+        drive_prefill(recorder, models[weights].cfg, kv_dtype, weights)
     drive_stt(recorder, layers)
     drive_tts(recorder, layers)
+
+
+def attention_context(batch: int, kv_dtype: str, kernel: str) -> str:
+    return step_context(batch, kv_dtype) + f" attention={kernel}"
+
+
+def drive_attention_kernels(recorder: Recorder, model, batches: tuple[int, ...]) -> None:
+    """`LMGen.step` of Moshi 7B (`model`, bf16 weights) with each decode attention other than the default
+    (`--attention-kernel`) at each batch and KV format: the step's other kernels are the default step's variants."""
+    from duplexd.engine.kv.dtypes import KV_DTYPES
+    from duplexd.kernels.decode_attention import ATTENTION_KERNELS
+
+    for kernel in ATTENTION_KERNELS[1:]:
+        for kv_dtype in KV_DTYPES:
+            for batch in batches:
+                step_on_meta(recorder, model, batch, attention_context(batch, kv_dtype, kernel), kv_dtype, kernel)
 
 
 def stt_context(batch: int, kv_dtype: str) -> str:
@@ -307,6 +384,29 @@ def drive_tts(recorder: Recorder, layers: int | None) -> None:
                 gen.speak(index, text, hidden, greedy)
 
 
+def w8a16_context(batch: int, kernel: str) -> str:
+    return step_context(batch, "bf16", "int8") + f" w8a16={kernel}"
+
+
+def drive_w8a16_kernels(recorder: Recorder, model, batches: tuple[int, ...]) -> None:
+    """`LMGen.step` of Moshi 7B on int8 weights (`model`) with each W8A16 kernel other than the default
+    (`--w8a16-kernel`), bf16 pool: at the batches of up to `GEMV_ROWS` rows and at `GEMV_ROWS` (its widest
+    variant), where "gemv" runs (split along K for the DepFormer's 1024 columns), and the first batch above, where
+    it runs the tiles; the model goes back to the default kernel after. The prefill's rows are past `GEMV_ROWS`:
+    the tiles there whatever the kernel."""
+    from duplexd.engine.models.int8_weights import use_int8_kernel
+    from duplexd.kernels.w8a16_matmul import GEMV_ROWS, W8A16_KERNELS
+
+    driven = (
+        sorted({b for b in batches if b <= GEMV_ROWS} | {GEMV_ROWS}) + sorted(b for b in batches if b > GEMV_ROWS)[:1]
+    )
+    for kernel in W8A16_KERNELS[1:]:
+        use_int8_kernel(model, kernel)
+        for batch in driven:
+            step_on_meta(recorder, model, batch, w8a16_context(batch, kernel))
+    use_int8_kernel(model, W8A16_KERNELS[0])
+
+
 def store_context(batch: int, kv_dtype: str) -> str:
     return f"store_quantized B={batch} kv={kv_dtype}"
 
@@ -357,7 +457,9 @@ def ints_set_to_one(recorder: Recorder) -> None:
         recorder.compile(jit_fn, ones, kwargs, None, ONES)
 
 
-def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: int = SM90_SMS) -> dict[str, Any]:
+def collect(
+    batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: int = SM90_SMS, sass: bool = False
+) -> dict[str, Any]:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("run without TRITON_INTERPRET: interpreted kernels do not compile")
     from triton.runtime import driver
@@ -367,15 +469,19 @@ def collect(batches: tuple[int, ...] = BATCHES, layers: int | None = None, sms: 
 
     driver.set_active(Sm90Driver())
     decode_attention.multiprocessor_count = lambda device: sms
-    recorder = Recorder()
+    recorder = Recorder(sass)
     with recorder.installed():
-        drive_engine(recorder, batches, layers)
+        models = moshi_models(layers)
+        drive_engine(recorder, models, batches, layers)
+        drive_attention_kernels(recorder, models["bf16"], batches)
+        drive_w8a16_kernels(recorder, models["int8"], batches)
     ints_set_to_one(recorder)
     recorder.finish()
     kernels, device_functions = kernel_inventory()
     compiled = {f"{r['module']}.{r['kernel']}" for r in recorder.variants.values()}
     return {
         "target": "sm_90a",
+        "sass": sass,
         "sms": sms,
         "batches": list(batches),
         "stt": {"preset": STT_PRESET, "kv_batches": {k: list(v) for k, v in STT_KV_DTYPES.items()}},
@@ -395,30 +501,33 @@ def engine_variants(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [v for v in report["variants"] if any(c != ONES for c in v["contexts"])]
 
 
+# The table's columns after the counts: each the worst over a kernel's engine variants
+WORST = {
+    "regs": lambda v: v["registers"],
+    "spill B": lambda v: v["spill_stores"] + v["spill_loads"],
+    "stack B": lambda v: v["stack"],
+    "smem B": lambda v: v["shared"],
+    "loop cvt": lambda v: v["loop_shuffles"],  # layout conversions in a loop
+}
+SASS_COLUMN = {"loop ins": lambda v: v["loop_instructions"]}  # SASS instructions in the longest loop (`--sass`)
+
+
 def table(report: dict[str, Any]) -> str:
-    """Per kernel: errors over all variants; over the engine's variants, their count and the worst registers,
-    spills, stack and shared memory."""
+    """Per kernel: errors over all variants; over the engine's variants, their count and the `WORST` columns (and
+    `SASS_COLUMN` where the report has it)."""
+    worst_of = WORST | (SASS_COLUMN if report["sass"] else {})
     rows: dict[str, dict[str, int]] = {}
     for v in report["variants"]:
-        row = rows.setdefault(
-            v["kernel"], {"variants": 0, "errors": 0, "registers": 0, "spills": 0, "stack": 0, "shared": 0}
-        )
+        row = rows.setdefault(v["kernel"], dict.fromkeys(["variants", "errors", *worst_of], 0))
         row["errors"] += bool(v["error"])
     for v in engine_variants(report):
         row = rows[v["kernel"]]
         row["variants"] += 1
-        if v["error"]:
-            continue
-        row["registers"] = max(row["registers"], v["registers"])
-        row["spills"] = max(row["spills"], v["spill_stores"] + v["spill_loads"])
-        row["stack"] = max(row["stack"], v["stack"])
-        row["shared"] = max(row["shared"], v["shared"])
-    lines = [f"{'kernel':<20} {'variants':>8} {'errors':>6} {'regs':>5} {'spill B':>7} {'stack B':>7} {'smem B':>7}"]
-    for name, r in sorted(rows.items()):
-        lines.append(
-            f"{name:<20} {r['variants']:>8} {r['errors']:>6} {r['registers']:>5} {r['spills']:>7} "
-            f"{r['stack']:>7} {r['shared']:>7}"
-        )
+        if not v["error"]:
+            row.update({column: max(row[column], worst(v)) for column, worst in worst_of.items()})
+    columns = ["variants", "errors", *worst_of]
+    lines = [f"{'kernel':<26} " + " ".join(f"{c:>8}" for c in columns)]
+    lines += [f"{name:<26} " + " ".join(f"{r[c]:>8}" for c in columns) for name, r in sorted(rows.items())]
     return "\n".join(lines)
 
 
@@ -427,8 +536,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--layers", type=int, help="temporal and DepFormer layers (default: the real 32 and 6)")
+    parser.add_argument("--sass", action="store_true", help="count each variant's longest loop in SASS (slower)")
     args = parser.parse_args()
-    report = collect(tuple(args.batches), args.layers)
+    report = collect(tuple(args.batches), args.layers, sass=args.sass)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     sys.stdout.write(table(report) + "\n")

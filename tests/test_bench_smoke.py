@@ -36,6 +36,8 @@ STARTED_BY = {"host_overhead_server.py": "host_overhead.py"}  # run only as anot
 NOT_RUN = {  # why a script has no smoke run
     "gpu_wheels.sh": "reaches the package index (it downloads wheels; WHEEL_CHECK=1 resolves them there), and the "
     "test suite runs offline",
+    "gpu_triton_cache.py": "builds a scratch venv from the package index (Triton 3.6 for Python 3.12, torch) and "
+    "compiles every kernel for sm_90 (minutes); tests/test_gpu_triton_cache_bench.py checks its bookkeeping",
 }
 
 
@@ -93,6 +95,7 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
         "install",
         "gpu_kernels",
         "gpu_capacity",
+        "gpu_profile",
         "prompt_prefill",
         "loadtest",
         "serve",
@@ -106,6 +109,7 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
     heads = {
         "gpu_kernels.log": ("bench", "skipped"),
         "gpu_capacity.json": ("realtime_sessions", "kv_sessions", "batch1_p99_ms"),
+        "gpu_profile.json": ("runs", "copy_gbps", "status"),
         "prompt_prefill.log": ("ttfo_prefill_ms", "ttfo_frame_by_frame_ms", "ratio_prefill", "reference_ttfo_ms"),
         "kv_dtype.json": ("capacity", "agreement", "steps"),
         "weights_dtype.json": ("steps", "agreement", "ok"),
@@ -120,11 +124,13 @@ def suite_stages(result: dict, out: str, tmp: Path) -> None:
     written = {path.relative_to(run).as_posix() for path in run.rglob("*.json")}
     assert written == {name for name in heads if name.endswith(".json")}, "a stage's JSON that no check reads"
     capacity_stage(run)
+    profile_stage(run, out)
     kv_stage(run, out)
     prefill = (run / "prompt_prefill.log").read_text()
     prefill_forwards(json.loads(prefill.strip().splitlines()[-1]), prefill, run)
     summary = (run / "summary.md").read_text()
-    sections = ("## Triton kernels", "## Capacity", "## Persona prompt prefill", "## Load test", "## 8-bit KV")
+    sections = ("## Triton kernels", "## Capacity", "## Where a step goes", "## Persona prompt prefill", "## Load test")
+    sections += ("## 8-bit KV",)
     for section in (*sections, "## 8-bit weights", "## Speech-to-text streams", "## Text-to-speech streams"):
         assert section in summary, section
     assert "| int8 / bf16 |" in summary  # weights_dtype.json's step table, read
@@ -142,6 +148,22 @@ def capacity_stage(run: Path) -> None:
     last = json.loads(log.strip().splitlines()[-1])
     assert last["realtime_sessions"] == 1 and last["p99_ms_b1"] == report["batch1_p99_ms"]
     assert (run / "gpu_capacity.md").read_text().startswith("demo on cpu")
+
+
+def profile_stage(run: Path, out: str) -> None:
+    """gpu_profile.py's dry run: every part of the step measured, the engine's ranges (Mimi, the temporal
+    transformer, the DepFormer) among them, floors from the measured bandwidth, its report as its last line and its
+    table in the summary."""
+    report = json.loads((run / "gpu_profile.json").read_text())
+    assert json.loads((run / "gpu_profile.log").read_text().strip().splitlines()[-1]) == report
+    assert report["status"] == "ok" and report["copy_gbps"] > 0
+    (one,) = report["runs"]
+    assert (one["batch"], one["kv_dtype"], one["status"]) == (1, "int8", "ok")
+    parts = one["parts"]
+    assert all(p["ms"] > 0 for p in parts.values()), parts
+    assert all(p["floor_ms"] > 0 for key, p in parts.items() if key != "other"), parts
+    assert one["eager_ms"] > 0 and one["graph_ms"] is None and one["floor_ms"] > 0
+    assert "| Mimi decode |" in (run / "summary.md").read_text() and "\nprofile: batch 1 int8: eager step" in out
 
 
 def kv_stage(run: Path, out: str) -> None:
@@ -172,10 +194,15 @@ TINY_SUITE = {
     "STT_ARGS": "--preset demo-stt --device cpu --batches 1 --steps 3 --max-sessions 1 --granularity 1 "
     "--budget-ms 1e6 --position 31",
     "TTS_ARGS": "--preset demo-tts --device cpu --dtype float32 --batches 1 --steps 22",
+    "PROFILE_ARGS": "--preset demo --device cpu --runs 1:int8 --warmup 1 --steps 1 --timed 1",
 }
 # Its stages' own limits stop a hung one (bench/gpu_suite.sh); this one is for the script itself.
 SUITE = Smoke(
-    (), ("bench", "stages", "realtime_sessions", "stt_streams", "tts_streams"), TINY_SUITE, suite_stages, timeout=1200
+    (),
+    ("bench", "stages", "realtime_sessions", "stt_streams", "tts_streams", "step_x_floor"),
+    TINY_SUITE,
+    suite_stages,
+    timeout=1200,
 )
 ONE = ("--threads", "1")
 SMOKE: dict[str, Smoke] = {
@@ -239,6 +266,7 @@ VIA_SUITE = {  # run by the dry suite, where suite_stages checks what each wrote
     "gpu_tts.py",
     "gpu_kernels.py",
     "gpu_capacity.py",
+    "gpu_profile.py",
     "prompt_prefill.py",
     "kv_dtype.py",
     "weights_dtype.py",

@@ -12,7 +12,7 @@ import torch
 
 from duplexd.engine.dialogue.pipeline import Pipeline
 from duplexd.engine.models.config import MIMI_PRESETS, PRESETS
-from duplexd.engine.models.int8_weights import Int8Weight
+from duplexd.engine.models.int8_weights import Int8Weight, use_int8_kernel
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.weights.checkpoint import build_lm, int8_plan
 from duplexd.kernels.dispatch import force_triton
@@ -53,10 +53,10 @@ def test_host_work_catches_what_it_should():
     assert all("test_frame_host_sync" not in op.where for op in mode.ops)  # only duplexd's own lines are named
 
 
-def host_free_step(lm, mimi, mode: str, kv_dtype: str, positions: tuple[int, ...]):
-    """One meta frame step of slots 0, 2, 3, 5 at `positions` (each slot sought there first), in `mode`, checked
-    to do no host work; the pipeline and its output. The engine hands host audio (staged, then copied); offline
-    callers may hand a device tensor (exact-batch)."""
+def host_free_step(lm, mimi, mode: str, kv_dtype: str, positions: tuple[int, ...], attention_kernel: str = "split"):
+    """One meta frame step of slots 0, 2, 3, 5 at `positions` (each slot sought there first), in `mode`, with the
+    decode attention `attention_kernel`, checked to do no host work; the pipeline and its output. The engine hands
+    host audio (staged, then copied); offline callers may hand a device tensor (exact-batch)."""
     pipeline = Pipeline(
         lm,
         mimi,
@@ -66,6 +66,7 @@ def host_free_step(lm, mimi, mode: str, kv_dtype: str, positions: tuple[int, ...
         graphs=mode == "graphs-before-capture",
         kv_dtype=kv_dtype,
     )
+    pipeline.lm_gen.kv.attention_kernel = attention_kernel
     slots = [0, 2, 3, 5]
     for slot, position in zip(slots, positions, strict=True):
         pipeline.seek(slot, position)
@@ -105,6 +106,29 @@ def test_frame_step_makes_no_host_sync_and_no_cpu_tensor(request, meta_models, n
     assert no_launch.count("_w8a16_kernel") == (projections if weights == "int8" else 0)
     assert out.valid == [False, True, True, True]  # from the pipeline's own counts, not read back
     assert out.pcm.shape == (4, pipeline.frame_size) and out.tokens.shape == (4, 1 + cfg.dep_q)
+
+
+def test_frame_step_with_the_paged_attention_kernel(meta_models, no_launch):
+    """`--attention-kernel paged` on the CUDA warm-up's path with an int8 pool (its launcher takes the scale pools
+    too): no host work, and every layer's attention through `_paged_kernel`, none through `_split_kernel`."""
+    lm, mimi = meta_models
+    host_free_step(lm, mimi, "graphs-before-capture", "int8", (0, 1, 2999, 7000), attention_kernel="paged")
+    assert no_launch.count("_paged_kernel") == lm.cfg.num_layers and "_split_kernel" not in no_launch
+
+
+def test_frame_step_with_the_gemv_kernel(meta_int8_lm, meta_models, no_launch):
+    """`--w8a16-kernel gemv` on int8 weights in a padded bucket of 4 rows: no host work; every projection through
+    `_w8a16_gemv_kernel`, none through the tiles, and the DepFormer's longer-K ones (its input projection, each
+    layer's w_out: 1024 columns) split along K, their partial sums added by `_w8a16_split_sum_kernel`."""
+    lm, cfg = meta_int8_lm, meta_int8_lm.cfg
+    use_int8_kernel(lm, "gemv")
+    try:
+        host_free_step(lm, meta_models[1], "padded-to-bucket", "bf16", (0, 1, 2999, 7000))
+    finally:
+        use_int8_kernel(lm, "tiles")  # the module's fixture, as the other tests take it
+    projections = 4 * cfg.num_layers + cfg.agent_codebooks * (4 * cfg.depformer_num_layers + 2)
+    assert no_launch.count("_w8a16_gemv_kernel") == projections and "_w8a16_kernel" not in no_launch
+    assert no_launch.count("_w8a16_split_sum_kernel") == cfg.agent_codebooks * (1 + cfg.depformer_num_layers)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])

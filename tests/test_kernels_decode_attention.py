@@ -1,8 +1,10 @@
-"""Paged single-query decode attention: Triton (interpreter) against the fp64 torch reference and a naive loop.
+"""Paged single-query decode attention: both Triton kernels (interpreter) against the fp64 torch reference and a
+naive loop.
 
 One shared pool serves all rows, pages are handed out in random order, rows have ragged lengths (one of a single
 key, one longer than the window), the block table may wrap (a ring of pages), and every split-K program's
-partial output is poisoned before the call.
+partial output is poisoned before the call. The "paged" kernel's own edges: lengths at and around its page and
+split boundaries, a window whose first and last pages share a ring column, pages of several tiles, 8-bit codes.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from duplexd.kernels import decode_attention as da
 from duplexd.kernels.decode_attention import (
     BLOCK_N,
     MAX_SPLIT_LEN,
+    PAGED_SPLIT_KEYS,
     decode_attention,
+    decode_attention_paged,
     decode_attention_reference,
     decode_attention_torch,
     decode_attention_triton,
 )
 from duplexd.kernels.dispatch import force_triton
+from duplexd.kernels.kv_quant import dequantize, quantize_reference
 from duplexd.kernels.testing import poisoned_allocations
 
 
@@ -147,3 +152,103 @@ def test_cpu_path_matches_the_definition(window):
     out = decode_attention_torch(q, strided, strided, table, lengths, 30)
     want = _naive(q, strided, strided, table, lengths, 30)
     assert (out.double() - want).abs().max() <= 1e-5
+
+
+def _paged(q, k_pages, v_pages, table, lengths, window, **kwargs):
+    """`decode_attention_paged` with every partial output poisoned, checked against the naive loop (fp32 or bf16
+    tolerance by q's dtype); its output."""
+    with poisoned_allocations():
+        out = decode_attention_paged(q, k_pages, v_pages, table, lengths, window, **kwargs)
+    want = _naive(q, k_pages, v_pages, table, lengths, min(window, k_pages.shape[1] * table.shape[1]))
+    assert out.dtype == q.dtype and torch.isfinite(out).all()
+    assert (out.double() - want).abs().max() <= (1e-5 if q.dtype == torch.float32 else 2e-2)
+    assert (out[lengths == 0] == 0).all()
+    return out
+
+
+def test_paged_kernel_at_page_and_split_edges():
+    """Pages of 4 in a ring of 5 (20 positions), a window of 14 (its first key inside a page) and splits of 2 pages:
+    lengths at, before and after a page boundary (4, 5), a split boundary (8, 9), the window (14, 15) and the ring
+    (20, 21), and far past it, in one batch with an empty row."""
+    lengths = torch.tensor([0, 1, 4, 5, 8, 9, 14, 15, 20, 21, 45])
+    q, k_pages, v_pages, table = _case(
+        seed=11, batch=len(lengths), heads=2, head_dim=16, page_size=4, max_pages=5, num_pages=59
+    )
+    _paged(q, k_pages, v_pages, table, lengths, 14, split_len=8)
+
+
+def test_paged_kernel_window_of_the_whole_ring_and_default_splits(monkeypatch):
+    """A window as long as the ring: its first and last pages are partial and in one table column. The default split
+    on an H200's 132 SMs (one page per split, this batch being small); bf16."""
+    monkeypatch.setattr(da, "multiprocessor_count", lambda device: 132)
+    lengths = torch.tensor([21, 0, 47])
+    q, k_pages, v_pages, table = _case(
+        seed=12, batch=3, heads=2, head_dim=16, page_size=4, max_pages=5, num_pages=17, dtype=torch.bfloat16
+    )
+    _paged(q, k_pages, v_pages, table, lengths, 25)
+
+
+def test_paged_kernel_with_pages_of_several_tiles(monkeypatch):
+    """Pages of 6 keys in tiles of 4 (a page's second tile is half masked), splits of one page (rounded up from 5
+    keys)."""
+    monkeypatch.setattr(da, "PAGED_BLOCK_N", 4)
+    lengths = torch.tensor([5, 13, 30])
+    q, k_pages, v_pages, table = _case(seed=13, batch=3, heads=2, head_dim=16, page_size=6, max_pages=4, num_pages=14)
+    _paged(q, k_pages, v_pages, table, lengths, 17, split_len=5)
+
+
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+def test_paged_kernel_over_8bit_codes(codes):
+    """Codes with a scale per (key, head), magnitudes spread over 4 decades (the other way round for values, so
+    scales applied to the wrong side are far off): equal to attention over the dequantized pool."""
+    lengths = torch.tensor([23, 0, 9])
+    q, k_pages, v_pages, table = _case(seed=14, heads=2, head_dim=16, page_size=4, max_pages=5, num_pages=17)
+    spread = torch.logspace(-2, 2, 17 * 4).view(17, 4, 1, 1)
+    (kc, ks), (vc, vs) = (
+        quantize_reference(k_pages * spread, codes),
+        quantize_reference(v_pages * spread.flip(0), codes),
+    )
+    keys, values = dequantize(kc, ks, torch.float64), dequantize(vc, vs, torch.float64)
+    with poisoned_allocations():
+        out = decode_attention_paged(q, kc, vc, table, lengths, 18, split_len=8, k_scales=ks, v_scales=vs)
+    want = decode_attention_reference(q.double(), keys, values, table, lengths, 18)
+    assert float((out.double() - want).norm() / want.norm()) < 1e-5 and (out[1] == 0).all()
+    swapped = (dequantize(kc, vs, torch.float64), dequantize(vc, ks, torch.float64))
+    wrong = decode_attention_reference(q.double(), *swapped, table, lengths, 18)
+    assert float((wrong - want).norm() / want.norm()) > 0.1
+
+
+def test_paged_kernel_on_strided_views_through_the_dispatch():
+    """A ring cache [slots, H, context, D] seen as pages of 30 (tiles of 32, masked), row 0 wrapped around its
+    ring; `decode_attention(kernel="paged")` runs it, and a kernel not in ATTENTION_KERNELS is refused."""
+    q, _, _, _ = _case(seed=15, batch=2, heads=3, head_dim=16)
+    g = torch.Generator().manual_seed(16)
+    k_pages = torch.randn(4, 3, 30, 16, generator=g).transpose(1, 2)
+    v_pages = torch.randn(4, 3, 30, 16, generator=g).transpose(1, 2)
+    table, lengths = torch.tensor([[3], [1]], dtype=torch.int32), torch.tensor([75, 9])
+    out = _paged(q, k_pages, v_pages, table, lengths, 30)
+    with force_triton():
+        assert torch.equal(decode_attention(q, k_pages, v_pages, table, lengths, 30, kernel="paged"), out)
+        with pytest.raises(ValueError, match="not one of split, paged"):
+            decode_attention(q, k_pages, v_pages, table, lengths, 30, kernel="tiles")
+
+
+@pytest.mark.parametrize("batch, split_pages, splits", [(1, 3, 16), (4, 8, 6), (8, 8, 6), (32, 8, 6), (128, 8, 6)])
+def test_paged_split_heuristic_on_an_h200(batch, split_pages, splits):
+    """Moshi 7B (32 heads, a 3000-frame window over 64-frame pages: 48 pages a window may touch) on 132 SMs: 16
+    splits of 3 pages (512 programs) for one row; from 4 rows on, splits of PAGED_SPLIT_KEYS keys."""
+    got = da._paged_split_pages(batch, 32, 48, 64, 132)
+    assert (got, -(-48 // got)) == (split_pages, splits)
+    assert 8 * 64 == PAGED_SPLIT_KEYS
+
+
+def test_paged_split_heuristic_bounds():
+    for sms in (None, 1, 132):
+        for batch in (1, 3, 8, 64, 256):
+            for page_size in (1, 5, 64, 1024):
+                for pages in (1, 2, 7, 48, 300):
+                    split_pages = da._paged_split_pages(batch, 32, pages, page_size, sms)
+                    splits = -(-pages // split_pages)
+                    assert 1 <= split_pages <= max(PAGED_SPLIT_KEYS // page_size, 1)
+                    if sms:  # 4 programs per SM (or a split per page), less at most half by whole-page rounding
+                        assert 2 * batch * 32 * splits >= min(4 * sms, batch * 32 * pages)

@@ -1,6 +1,8 @@
-"""The W8A16 matmul: the Triton kernel (interpreter) and the torch reference against an fp64 product with the
-dequantized weight, over the kernel's row buckets and ragged tails in M, N and K; views (stacked and sliced codes,
-row-strided x, leading dims); which outputs one code, one scale or one row of x reaches; input validation.
+"""The W8A16 matmul: the Triton kernels (interpreter) and the torch reference against an fp64 product with the
+dequantized weight, over the tiles kernel's row buckets and ragged tails in M, N and K; views (stacked and sliced
+codes, row-strided x, leading dims); which outputs one code, one scale or one row of x reaches; input validation.
+The GEMV ("gemv", up to 8 rows): every row count, with and without its split along K, each x dtype, views, and the
+tiles kernel past 8 rows; on few programs each (the interpreter's cost is per program, not per element).
 
 Triton 3.9's interpreter multiplies bf16 `tl.dot` operands as the uint16 bit patterns it stores them in (only fp8
 is decoded first), so the fixture below decodes bf16 operands to fp32 before its matmul: the exact products a
@@ -17,7 +19,13 @@ import torch
 from duplexd.kernels._triton import tl
 from duplexd.kernels.dispatch import force_triton
 from duplexd.kernels.testing import poisoned_allocations
-from duplexd.kernels.w8a16_matmul import int8_matmul, int8_matmul_reference, int8_matmul_triton
+from duplexd.kernels.w8a16_matmul import (
+    GEMV_ROWS,
+    gemv_splits,
+    int8_matmul,
+    int8_matmul_reference,
+    int8_matmul_triton,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +80,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 def _kernel(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     with force_triton(), poisoned_allocations():
         return int8_matmul(x, codes, scale)
+
+
+def _gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """The "gemv" kernel, its outputs and split-K partial sums allocated poisoned (NaN): one left unwritten fails."""
+    with force_triton(), poisoned_allocations():
+        return int8_matmul_triton(x, codes, scale, "gemv", splits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,6 +154,69 @@ def test_each_input_reaches_only_its_outputs():
         assert set(hit[:, 0].tolist()) == {r} and len(hit) == n
 
 
+def test_gemv_splits_k_by_static_sizes_only():
+    """Moshi 7B's temporal projections have columns enough (no split); the DepFormer's 1024 columns split its
+    longer K (dep_in 4096, w_out 2816) but not K = 1024, one program step; a forced count splits in 16-code units."""
+    bf16 = torch.bfloat16
+    assert [gemv_splits(n, 4096, bf16)[1] for n in (4096, 12288, 22528, 32000)] == [1, 1, 1, 1]
+    assert gemv_splits(4096, 11264, bf16)[1] == 1
+    assert gemv_splits(1024, 4096, bf16) == (1024, 4)
+    assert gemv_splits(1024, 2816, bf16) == (944, 3)
+    assert gemv_splits(1024, 1024, bf16)[1] == gemv_splits(3072, 1024, bf16)[1] == 1
+    assert gemv_splits(20, 300, bf16, splits=3) == (112, 3) and gemv_splits(20, 300, bf16) == (304, 1)
+    assert gemv_splits(20, 40, torch.float32, splits=8) == (16, 3)  # never an empty split
+
+
+@pytest.mark.parametrize("m", range(1, GEMV_ROWS + 1))
+def test_gemv_matches_fp64_at_every_row_count(m):
+    """1 to 8 rows (the kernel's row buckets 1, 2, 4, 8, and padded rows in 3, 5, 6, 7), bf16 x, no split;
+    ragged K (not a multiple of a code vector) and N (3 programs, the last partial)."""
+    k, n = 300, 20
+    codes, scale = _weights(n, k, seed=m)
+    x = _x((m,), k, torch.bfloat16, seed=m)
+    assert gemv_splits(n, k, x.dtype)[1] == 1
+    y = _gemv(x, codes, scale)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _close(y, _exact(x, codes, scale), torch.bfloat16)
+
+
+@pytest.mark.parametrize(("m", "dtype"), [(1, torch.float32), (3, torch.float16), (8, torch.bfloat16)])
+def test_gemv_split_k_matches_fp64(m, dtype):
+    """Three K splits (the last ragged) summed by the second launch, for each x dtype."""
+    k, n = 300, 12
+    codes, scale = _weights(n, k, seed=m + 10)
+    x = _x((m,), k, dtype, seed=m + 10)
+    y = _gemv(x, codes, scale, splits=3)
+    assert y.shape == (m, n) and y.dtype == dtype
+    _close(y, _exact(x, codes, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_views_and_leading_dims(dtype):
+    """codes: one step of a stacked [3, N, K] tensor, then a column slice of a wider one; x: [2, 3, K] (6 rows)
+    whose rows are a slice of wider rows, read in place; without and with a split."""
+    k, n = 130, 10
+    x = _x((2, 3), k, dtype, seed=4, pad=9)
+    assert x.stride(-2) == k + 9
+    for (codes, scale), splits in ((_weights(n, k, seed=5, steps=3), None), (_weights(n, k, seed=6, pad=6), 2)):
+        y = _gemv(x, codes, scale, splits)
+        assert y.shape == (2, 3, n) and y.dtype == dtype
+        _close(y, _exact(x, codes, scale), dtype)
+
+
+def test_gemv_kernel_past_its_rows_runs_the_tiles():
+    """More than 8 rows with kernel="gemv": the tiles kernel, the same bits as kernel="tiles"."""
+    k, n = 100, 40
+    codes, scale = _weights(n, k, seed=7)
+    x = _x((GEMV_ROWS + 1,), k, torch.bfloat16, seed=7)
+    with force_triton():
+        tiles = int8_matmul(x, codes, scale, "tiles")
+        assert torch.equal(int8_matmul(x, codes, scale, "gemv"), tiles)
+        with pytest.raises(ValueError, match="'wide' is not one of tiles, gemv"):
+            int8_matmul(x, codes, scale, "wide")
+    _close(tiles, _exact(x, codes, scale), torch.bfloat16)
+
+
 @pytest.mark.parametrize("triton_path", [False, True])
 def test_invalid_inputs_raise(triton_path):
     codes, scale = _weights(6, 32, seed=7)
@@ -161,3 +238,14 @@ def test_invalid_inputs_raise(triton_path):
             if triton_path:
                 with pytest.raises(ValueError, match=message):
                     int8_matmul_triton(*args)
+
+
+@pytest.mark.parametrize("kernel", ["tiles", "gemv"])
+def test_no_inputs_give_zeros(kernel):
+    """K = 0 (a layer with no inputs): every output is the empty sum, on both paths and with leading dims."""
+    codes, scale = torch.zeros(5, 0, dtype=torch.int8), torch.rand(5)
+    x = torch.randn(2, 3, 0, dtype=torch.bfloat16)
+    with force_triton():
+        got = int8_matmul(x, codes, scale, kernel)
+    assert got.shape == (2, 3, 5) and got.dtype == torch.bfloat16 and not got.any()
+    assert torch.equal(got, int8_matmul_reference(x, codes, scale))

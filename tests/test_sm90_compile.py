@@ -18,7 +18,16 @@ from typing import Any
 
 import pytest
 
-from tests.sm90_compile import ONES, engine_variants, step_context, store_context, stt_context, tts_context
+from tests.sm90_compile import (
+    ONES,
+    attention_context,
+    engine_variants,
+    step_context,
+    store_context,
+    stt_context,
+    tts_context,
+    w8a16_context,
+)
 
 HELPER = Path(__file__).with_name("sm90_compile.py")
 
@@ -56,6 +65,24 @@ def test_no_register_spills(report):
         if not v["error"] and v["spill_stores"] + v["spill_loads"]
     ]
     assert not spilled, "\n".join(spilled) + "\n" + report["table"]
+
+
+# Kernels whose design keeps each tile in the layout it was loaded in: their loops convert no layout (a conversion
+# there moves the tile between threads, through shared memory, on every step)
+IN_PLACE = ("_w8a16_gemv_kernel", "_paged_kernel")
+
+
+def test_the_streaming_kernels_convert_no_layout_in_their_loops(report):
+    """The W8A16 GEMV meets x and the codes in the registers they were loaded into; the paged decode attention
+    converts nothing in its loop either. Which layout Triton gives a load can turn on how it breaks ties between
+    dims: the GEMV's first 4-D loads compiled with no conversion here (Triton 3.9) and 7 a step under the GPU
+    image's Triton 3.6."""
+    variants = engine_variants(report)
+    assert {v["kernel"] for v in variants} >= set(IN_PLACE)
+    moved = [
+        f"{_describe(v)}: {v['loop_shuffles']}" for v in variants if v["kernel"] in IN_PLACE and v["loop_shuffles"]
+    ]
+    assert not moved, "\n".join(moved) + "\n" + report["table"]
 
 
 def test_every_kernel_is_exercised(report):
@@ -120,7 +147,31 @@ def test_int8_weights_compile_the_w8a16_kernel_at_every_batch_without_spills(rep
     want = {step_context(b, "bf16", "int8") for b in report["batches"]}
     assert want <= seen, sorted(seen)
     assert any(c.startswith("LMGen.prefill") for c in seen), sorted(seen)
-    assert all(c.endswith("weights=int8") for c in seen), sorted(seen)
+    assert all("weights=int8" in c for c in seen), sorted(seen)
+
+
+def test_the_gemv_kernel_compiles_where_it_runs_without_spills(report):
+    """With `--w8a16-kernel gemv` the step runs `_w8a16_gemv_kernel` at every batch of up to `GEMV_ROWS` rows
+    (split along K, its partial sums added by `_w8a16_split_sum_kernel`, for the DepFormer's 1024 columns; whole
+    for the temporal projections) and `_w8a16_kernel` above, each without spills."""
+    from duplexd.kernels.w8a16_matmul import GEMV_ROWS
+
+    small = sorted({b for b in report["batches"] if b <= GEMV_ROWS} | {GEMV_ROWS})
+    above = min(b for b in report["batches"] if b > GEMV_ROWS)
+    by_kernel: dict[str, set[str]] = {}
+    splits = set()
+    for v in engine_variants(report):
+        contexts = {c for c in v["contexts"] if c.endswith("w8a16=gemv")}
+        if not contexts:
+            continue
+        assert not v["error"] and v["spill_stores"] + v["spill_loads"] == 0, _describe(v)
+        by_kernel.setdefault(v["kernel"], set()).update(contexts)
+        if v["kernel"] == "_w8a16_gemv_kernel":
+            splits.add(next(t for t in v["signature"].split() if t.startswith("SPLIT=")))
+    want = {w8a16_context(b, "gemv") for b in small}
+    assert by_kernel["_w8a16_gemv_kernel"] == by_kernel["_w8a16_split_sum_kernel"] == want
+    assert by_kernel["_w8a16_kernel"] == {w8a16_context(above, "gemv")}
+    assert splits == {"SPLIT=True", "SPLIT=False"}
 
 
 def test_stt_compiles_at_head_dim_64_up_to_hundreds_of_rows(report):
@@ -144,3 +195,21 @@ def test_stt_compiles_at_head_dim_64_up_to_hundreds_of_rows(report):
     assert by_kernel.get("_rope_kv_store_kernel") == {c for c in want if "kv=int8" in c}
     assert by_kernel.get("_sample_kernel") == want
     assert not {k for k in by_kernel if "w8a16" in k}
+
+
+def test_the_paged_attention_kernel_compiles_at_every_batch_and_kv_dtype(report):
+    """`--attention-kernel paged`: the step launches `_paged_kernel`, never `_split_kernel`, at every batch and KV
+    format (SCALED exactly for the 8-bit pools), a tile a whole 64-frame page, without errors or spills."""
+    want = {attention_context(b, kv, "paged") for b in report["batches"] for kv in report["kv_dtypes"]}
+    seen: set[str] = set()
+    for v in engine_variants(report):
+        contexts = want & set(v["contexts"])
+        if not contexts or v["kernel"] not in ("_paged_kernel", "_split_kernel"):
+            continue
+        sig = v["signature"].split()
+        assert v["kernel"] == "_paged_kernel" and {"PAGE_SIZE=64", "BLOCK_N=64"} <= set(sig), _describe(v)
+        assert all(("kv=" in c) == ("SCALED=True" in sig) for c in contexts), _describe(v)
+        assert not v["error"], f"{_describe(v)}:\n{v['error']}"
+        assert v["spill_stores"] + v["spill_loads"] == 0, f"{_describe(v)}: spills\n{report['table']}"
+        seen |= contexts
+    assert seen == want, sorted(want - seen)

@@ -1,7 +1,8 @@
 """bench/weights_dtype.py on the CPU: the command line as the GPU suite's dry run makes it (demo preset, a few
 frames) in a subprocess, its JSON checked (moshi-7b's capacity on a 24 GB card, agreement of int8 weights with the
 text head int8 and float, the CUDA-only stages skipped), and the CUDA-only stages' code run here on the CPU
-(the kernel table with wall-clock timing at toy shapes, shown able to fail; one engine step per weights format).
+(the kernel table with wall-clock timing at toy shapes, a row per W8A16 kernel, shown able to fail; one engine
+step per weights format).
 
 The figures themselves come from the bench's own command line on a GPU; here they are bounded."""
 
@@ -83,6 +84,9 @@ def test_cpu_run(tmp_path, run):
     sizes = agree["lm_weights_gib"]
     assert sizes["text_head_int8"] < sizes["text_head_float"] < sizes["float"]
 
+    # steps: the int8 step once on a CPU, with the first W8A16 kernel
+    assert report["steps"]["kernels"] == ["tiles"] and "steps int8 (tiles) / bf16 at batch 1" in out
+
     # the CUDA-only stages
     assert report["skipped"] == {"kernel": "needs CUDA"}
     assert "kernel" not in report
@@ -97,17 +101,22 @@ def test_cuda_asked_for_without_one(run):
 
 
 def test_kernel_table_on_the_cpu(capsys):
+    """A row per kernel, shape and row count; each kernel's time against the tiles kernel's at the same shape."""
     r = bench.kernel_table("cpu", repeats=2, shapes=[(64, 96), (96, 32)], rows=(1, 8), streamed=1 << 14)
-    assert r["ok"] and r["timing"] == ["wall clock"] and len(r["cases"]) == 4
+    assert r["ok"] and r["timing"] == ["wall clock"] and r["kernels"] == ["tiles", "gemv"] and len(r["cases"]) == 8
     for cell in r["cases"]:
         assert cell["max_rel_err"] <= 1e-2 and cell["int8_ms"] > 0 and cell["bf16_ms"] > 0 and cell["copy_ms"] > 0
         assert cell["speedup"] == pytest.approx(cell["bf16_ms"] / cell["int8_ms"], rel=1e-2, abs=1e-3)
-    assert {"speedup_geomean_m1", "speedup_geomean_m8"} <= set(r)
-    assert capsys.readouterr().out.count("\nkernel ") >= 4
+        tiles = next(c for c in r["cases"] if c["kernel"] == "tiles" and c["K"] == cell["K"] and c["M"] == cell["M"])
+        assert cell["vs_tiles"] == pytest.approx(cell["int8_ms"] / tiles["int8_ms"], rel=1e-2, abs=1e-3)
+    assert {"speedup_geomean_m1", "of_copy_geomean_m8"} <= set(r["by_kernel"]["tiles"])
+    assert {"speedup_geomean_m1", "vs_tiles_geomean_m1", "vs_tiles_geomean_m8"} <= set(r["by_kernel"]["gemv"])
+    out = capsys.readouterr().out
+    assert out.count("\nkernel ") >= 8 and "kernel gemv: M=1 speedup" in out and "/ tiles" in out
 
 
 def test_kernel_table_fails_a_wrong_kernel(monkeypatch):
-    def off(x, codes, scale):
+    def off(x, codes, scale, kernel):
         return bench.int8_matmul_reference(x, codes, scale) * 1.05
 
     monkeypatch.setattr(bench, "int8_matmul", off)
@@ -116,6 +125,7 @@ def test_kernel_table_fails_a_wrong_kernel(monkeypatch):
 
 
 def test_steps_on_the_cpu():
+    """bf16 and int8 weights; the int8 step once (the first kernel): the torch reference runs whatever the kernel."""
     torch.set_num_threads(1)
     with torch.no_grad():
         r = bench.step_times("demo", "bf16", [1], 1, "cpu", torch.float32)
@@ -123,3 +133,5 @@ def test_steps_on_the_cpu():
         assert r[weights]["fit"] >= 1 and r[weights]["1"]["p50_ms"] > 0
     assert r["int8"]["lm_weights_gib"] < r["bf16"]["lm_weights_gib"]
     assert r["ratio"]["1"]["p50"] > 0 and r["met"] in (True, False)
+    assert r["kernels"] == ["tiles"] and r["int8_by_kernel"] == {"tiles": r["int8"]}
+    assert r["ratio_by_kernel"] == {"tiles": r["ratio"]} and r["met_by_kernel"] == {"tiles": r["met"]}

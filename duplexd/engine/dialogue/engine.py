@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from duplexd.kernels.decode_attention import check_attention_kernel
+
 from ..devices import check_kv_dtype
 from ..errors import DeviceError
 from ..graphs import default_buckets
@@ -58,6 +60,7 @@ class EngineConfig:
     kv_memory: int | None = None  # bytes for the KV pool; None: a whole window per slot (CPU) or free memory (CUDA)
     page_size: int = 64  # frames per KV page
     kv_dtype: str = "bf16"  # the KV pages' format: the model's dtype, or int8 / fp8 codes with scales (engine/kv)
+    attention_kernel: str = "split"  # the Triton decode attention (kernels.decode_attention.ATTENTION_KERNELS)
     max_session_frames: int | None = None  # cap on every session's length; shorter sessions reserve fewer pages
     max_pending_frames: int = 25  # inbox bound per session (2 s of audio)
     max_output_frames: int = 250  # outbox bound per session (20 s); the oldest frame is dropped beyond it
@@ -82,6 +85,10 @@ class EngineConfig:
             raise ConfigError("prefill_rows and max_prefill_rows must be >= 1")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        try:
+            check_attention_kernel(self.attention_kernel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,7 @@ class Engine:
             raise ConfigError(f"--kv-dtype {e}") from None
         per_session = session_pages(cfg, config)
         pages = pool_pages(lm, mimi, config, per_session)
-        kv = lm.new_kv_cache(config.max_sessions, pages, page_size, config.kv_dtype)
+        kv = lm.new_kv_cache(config.max_sessions, pages, page_size, config.kv_dtype, config.attention_kernel)
         self.kv = kv
         logger.info(
             "KV cache (%s): %d pages of %d frames (%.2f GiB); %d full-length sessions fit, %d slots",

@@ -21,7 +21,7 @@ import torch
 from ..graphs import BucketedCall, default_buckets
 from ..kv.paged import PagedKVCache
 from ..models.config import ConfigError
-from ..models.lm import LMModel
+from ..models.lm import LMModel, step_part
 from ..models.mimi import MimiModel, MimiStreams, Rows
 from ..persona.prompt import PersonaPrompt, PromptChunk
 from .lm_gen import LMGen
@@ -135,11 +135,13 @@ class Pipeline:
         `rows` are the slots stepped; `decode_rows` the same slots, or the scratch slot for a row with no output
         yet, whose codes are UNGENERATED: decoding it into its own slot would advance that slot's decoder. A
         text-only model decodes nothing: its speech is [B, 0]."""
-        codes = self.mimi.encode_frame(rows, pcm)
+        with step_part("mimi_encode"):
+            codes = self.mimi.encode_frame(rows, pcm)
         out = self.lm_gen.step(rows.index, codes)
         if self.text_only:
             return pcm.new_empty(len(pcm), 0), out.tokens, out.pause
-        speech = self.mimi.decode_frame(decode_rows, out.tokens[:, 1:].clamp(min=0))
+        with step_part("mimi_decode"):
+            speech = self.mimi.decode_frame(decode_rows, out.tokens[:, 1:].clamp(min=0))
         return speech.masked_fill(~out.valid[:, None], 0.0), out.tokens, out.pause
 
     @torch.no_grad()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from duplexd.kernels.decode_attention import decode_attention
+from duplexd.kernels.decode_attention import check_attention_kernel, decode_attention
 from duplexd.kernels.dispatch import use_triton
 from duplexd.kernels.kv_quant import store_quantized
 from duplexd.kernels.prefill_attention import causal_paged_attention_torch
@@ -84,10 +84,14 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         window: int | None = None,
         kv_dtype: str = "bf16",
+        attention_kernel: str = "split",
     ) -> None:
         """`window`: keys a query attends (default `context`; `LMConfig.attention_window`); the ring holds
-        `context` positions either way. `dtype`: the model's; `kv_dtype`: the pages' format (`dtypes.py`)."""
+        `context` positions either way. `dtype`: the model's; `kv_dtype`: the pages' format (`dtypes.py`);
+        `attention_kernel`: the Triton decode attention a step runs (`kernels.decode_attention.ATTENTION_KERNELS`)."""
         window = context if window is None else window
+        check_attention_kernel(attention_kernel)
+        self.attention_kernel = attention_kernel
         if page_size < 1 or num_pages < 0 or num_slots < 1 or not 0 < window <= context:
             raise ValueError(
                 f"bad pool geometry: page_size {page_size}, num_pages {num_pages}, slots {num_slots}, "
@@ -251,4 +255,14 @@ class PagedKVCache:
                     for a, b, first in view.runs
                 ]
             )
-        return decode_attention(q, keys, values, view.block_table, view.lengths, self.window, k_scales=ks, v_scales=vs)
+        return decode_attention(
+            q,
+            keys,
+            values,
+            view.block_table,
+            view.lengths,
+            self.window,
+            k_scales=ks,
+            v_scales=vs,
+            kernel=self.attention_kernel,
+        )

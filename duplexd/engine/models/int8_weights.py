@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from duplexd.kernels.cpu_matmul import matmul
-from duplexd.kernels.w8a16_matmul import int8_matmul
+from duplexd.kernels.w8a16_matmul import check_w8a16_kernel, int8_matmul
 
 WEIGHT_DTYPES = ("bf16", "int8")  # bf16: the model's float dtype (fp32 on CPU), as `--kv-dtype bf16` is
 QMAX = 127.0
@@ -48,6 +48,7 @@ class Int8Slice(NamedTuple):
 
     codes: torch.Tensor  # int8 [out, in]
     scale: torch.Tensor  # fp32 [out]: absmax / 127
+    kernel: str = "tiles"  # the Triton kernel that multiplies by it (`kernels.w8a16_matmul.W8A16_KERNELS`)
 
 
 class Int8Weight(nn.Module):
@@ -58,15 +59,17 @@ class Int8Weight(nn.Module):
     codes: torch.Tensor
     absmax: torch.Tensor
     scale: torch.Tensor
+    kernel: str  # the Triton kernel that multiplies by it (`use_int8_kernel`)
 
     def __init__(self, lead: tuple[int, ...], out: int, inp: int, device: torch.device | str | None = None) -> None:
         super().__init__()
+        self.kernel = "tiles"
         self.register_buffer("codes", torch.empty(*lead, out, inp, dtype=torch.int8, device=device))
         self.register_buffer("absmax", torch.empty(*lead, out, dtype=torch.float32, device=device))
         self.register_buffer("scale", torch.empty(*lead, out, dtype=torch.float32, device=device))
 
     def __getitem__(self, index: int) -> Int8Slice:
-        return Int8Slice(self.codes[index], self.scale[index])
+        return Int8Slice(self.codes[index], self.scale[index], self.kernel)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Int8Weight:
         # `model.to(torch.bfloat16)` must move these buffers, never cast them.
@@ -107,7 +110,16 @@ def project(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """`x @ W` for a float weight [in, out] or an int8 one."""
     if isinstance(w, torch.Tensor):
         return matmul(x, w)
-    return int8_matmul(x, w.codes, w.scale)
+    return int8_matmul(x, w.codes, w.scale, w.kernel)
+
+
+def use_int8_kernel(model: nn.Module, kernel: str) -> None:
+    """Every int8 weight of `model` multiplied by the Triton kernel `kernel` from the next call on (a CUDA graph
+    keeps the one it captured)."""
+    check_w8a16_kernel(kernel)
+    for module in model.modules():
+        if isinstance(module, Int8Weight):
+            module.kernel = kernel
 
 
 def projection(model: nn.Module) -> Projection:

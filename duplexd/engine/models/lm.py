@@ -18,12 +18,14 @@ synchronisation, so a step can be captured in a CUDA graph.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from duplexd.kernels.rms_norm import add_rms_norm, rms_norm
 from duplexd.kernels.rope import rope_angles
@@ -31,7 +33,7 @@ from duplexd.kernels.silu_gate import silu_gate
 
 from ..kv.paged import PagedBatch, PagedKVCache
 from .config import LMConfig
-from .int8_weights import Projection, Weight, projection
+from .int8_weights import Int8Weight, Projection, Weight, projection
 
 NORM_EPS = 1e-8
 CROSS_NORM_EPS = 1e-5  # the reference's cross-attention LayerNorm
@@ -39,6 +41,13 @@ CROSS_NORM_EPS = 1e-5  # the reference's cross-attention LayerNorm
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def step_part(name: str) -> AbstractContextManager:
+    """A profiler range naming one part of a frame (the temporal transformer, the DepFormer, Mimi's encode and
+    decode), by which `bench/gpu_profile.py` attributes the step's kernels; nothing while no profiler runs: a
+    `record_function` costs 12-16 us of host time on a small CPU even then, this check about 1 us."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 class TemporalLayer(nn.Module):
@@ -77,7 +86,10 @@ class DepformerLayer(nn.Module):
 
 def _sets(w: Weight) -> Sequence[Weight]:
     """The weight sets of a stacked weight (a leading axis of DepFormer steps) as views, in one op."""
-    return w.unbind(0) if isinstance(w, torch.Tensor) else [w[i] for i in range(len(w.codes))]
+    if isinstance(w, torch.Tensor):
+        return w.unbind(0)
+    assert isinstance(w, Int8Weight), "a weight set has no sets"
+    return [w[i] for i in range(len(w.codes))]
 
 
 def gated_mlp(x: torch.Tensor, w_in: Weight, w_out: Weight, project: Projection) -> torch.Tensor:
@@ -149,7 +161,9 @@ class LMModel(nn.Module):
         change a weight's kind, call it."""
         self.project = projection(self)
 
-    def new_kv_cache(self, num_slots: int, num_pages: int, page_size: int, kv_dtype: str = "bf16") -> PagedKVCache:
+    def new_kv_cache(
+        self, num_slots: int, num_pages: int, page_size: int, kv_dtype: str = "bf16", attention_kernel: str = "split"
+    ) -> PagedKVCache:
         cfg = self.cfg
         return PagedKVCache(
             num_layers=cfg.num_layers,
@@ -163,6 +177,7 @@ class LMModel(nn.Module):
             device=self.text_emb.device,
             window=cfg.attention_window,
             kv_dtype=kv_dtype,
+            attention_kernel=attention_kernel,
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -228,8 +243,9 @@ class LMModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_text` from the summed input embeddings x [B, dim]: a PersonaPlex voice preset stores its
         prompt's first frames as such sums, not as tokens; Kyutai TTS adds its conditioning vector."""
-        h = self.temporal(x, positions, cache, view, voices)
-        return h, self.project(h, self.text_head)
+        with step_part("temporal"):
+            h = self.temporal(x, positions, cache, view, voices)
+            return h, self.project(h, self.text_head)
 
     def temporal(
         self,
@@ -286,6 +302,10 @@ class LMModel(nn.Module):
         head, and attends to sub-steps 0..k; it is fed `dep_in[set](hidden)` plus the embedding of the token chosen
         just before it (the text token for k = 0).
         """
+        with step_part("depformer"):
+            return self._depformer(hidden, text_token, sample, want_logits, steps)
+
+    def _depformer(self, hidden: torch.Tensor, text_token: torch.Tensor, sample, want_logits: bool, steps: int | None):
         cfg = self.cfg
         q = cfg.agent_codebooks if steps is None else steps
         heads, dh = cfg.depformer_num_heads, cfg.depformer_head_dim

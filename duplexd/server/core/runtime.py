@@ -20,6 +20,7 @@ from duplexd.engine.dialogue.engine import Engine, EngineConfig, EngineStats, Se
 from duplexd.engine.dialogue.sampling import SamplingParams
 from duplexd.engine.errors import CapacityError, CheckpointError
 from duplexd.engine.models.config import MIMI_PRESETS, PRESET_MIMI, PRESETS, ConfigError
+from duplexd.engine.models.int8_weights import use_int8_kernel
 from duplexd.engine.models.lm import LMModel
 from duplexd.engine.models.mimi import MimiModel
 from duplexd.engine.models.tokenizer import TextTokenizer
@@ -331,11 +332,13 @@ def load_runtime(settings: ServerSettings) -> Runtime:
             except CheckpointError as e:
                 raise CheckpointError(str(e), e.option or "mimi_weight") from None
         check_tokenizer(tokenizer, lm.cfg, tokenizer_path)
+        use_int8_kernel(lm, settings.w8a16_kernel)
         models.append((lm, mimi))
         config = EngineConfig(
             max_sessions=settings.max_sessions,
             kv_memory=settings.kv_memory,
             kv_dtype=settings.kv_dtype,
+            attention_kernel=settings.attention_kernel,
             max_session_frames=settings.session_frames(lm.cfg.text_only),
             max_pending_frames=settings.max_pending_frames,
             max_output_frames=settings.max_output_frames,

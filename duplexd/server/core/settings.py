@@ -119,6 +119,18 @@ class ServerSettings(BaseSettings):
         _MODEL,
     )
     cuda_graphs: bool = opt(True, "run CUDA steps eagerly, not as captured graphs", _MODEL, flag="--no-cuda-graphs")
+    attention_kernel: Literal["split", "paged"] = opt(
+        "split",
+        "the Triton decode attention a CUDA step runs (an A/B choice; bench/gpu_kernels.py): paged splits and tiles "
+        "along whole KV pages and keeps the next tiles' loads in flight",
+        _MODEL,
+    )
+    w8a16_kernel: Literal["tiles", "gemv"] = opt(
+        "tiles",
+        "the Triton matmul of int8 weights a CUDA step runs (an A/B choice; bench/weights_dtype.py): gemv streams "
+        "the codes through the CUDA cores at up to 8 rows (the tiles above)",
+        _MODEL,
+    )
     max_sessions: int = opt(4, "session slots per device", _CAP, ge=1)
     kv_memory: Annotated[ByteSize, Field(gt=0)] | None = opt(
         None, "KV cache memory per device, e.g. 40GiB (default: the engine's choice)", _CAP, metavar="SIZE"
