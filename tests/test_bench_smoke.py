@@ -399,29 +399,34 @@ def wait_for_child(pid: int, marker: str, timeout: float = 300) -> None:
 
 
 @pytest.mark.parametrize(("sig", "marker"), [(signal.SIGTERM, "loadtest"), (signal.SIGINT, "host_overhead_server.py")])
-def test_a_stopped_bench_takes_its_children_with_it(sig, marker, runs):
+def test_a_stopped_bench_takes_its_children_with_it(sig, marker, runs, tmp_path):
     """host_overhead.py stopped by a signal to it alone: SIGTERM once its load-test clients stream to its server (its
     own `finally` blocks end them), SIGINT as soon as the server starts (before those blocks are entered: only
     bench/processes.py can end it). Neither leaves a process behind, and the bench ends by the signal."""
     runs["host_overhead.py"].result()  # one server at a time on two cores
     args = ["--no-profile", "--protocols", "kyutai", "--sessions", "1", "--duration", "60", "--window", "1"]
-    proc = subprocess.Popen(
-        [sys.executable, str(BENCH / "host_overhead.py"), *args],
-        cwd=ROOT,
-        env=BENCH_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    err = tmp_path / "stderr.log"
+    with err.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(BENCH / "host_overhead.py"), *args],
+            cwd=ROOT,
+            env=BENCH_ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
     LIVE[proc.pid] = proc
     try:
         wait_for_child(proc.pid, marker)
+        signalled = time.monotonic()
         os.kill(proc.pid, sig)
         proc.wait(180)  # its server drains for up to 30 s; a loaded box is slow to start and stop Python
     finally:
         left = end_session(proc)
     assert not left, f"left behind after {sig.name}: {left}"
-    assert proc.returncode in (128 + sig, -sig), proc.returncode  # SystemExit(128 + SIGTERM), or SIGINT re-raised
+    # SystemExit(128 + SIGTERM), or SIGINT re-raised; what the bench said, for a run that went on
+    told = f"exit {proc.returncode} {time.monotonic() - signalled:.1f} s after {sig.name}:\n{err.read_text()[-3000:]}"
+    assert proc.returncode in (128 + sig, -sig), told
 
 
 def test_a_stopped_suite_takes_its_stage_with_it(tmp_path):
