@@ -406,15 +406,21 @@ def test_a_stopped_bench_takes_its_children_with_it(sig, marker, runs, tmp_path)
     runs["host_overhead.py"].result()  # one server at a time on two cores
     args = ["--no-profile", "--protocols", "kyutai", "--sessions", "1", "--duration", "60", "--window", "1"]
     err = tmp_path / "stderr.log"
-    with err.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, str(BENCH / "host_overhead.py"), *args],
-            cwd=ROOT,
-            env=BENCH_ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
+    # A test run started in the background of a non-interactive shell ignores SIGINT, and a child inherits an
+    # ignored signal (Python then installs no KeyboardInterrupt): the bench starts as from a terminal, SIGINT caught.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with err.open("wb") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, str(BENCH / "host_overhead.py"), *args],
+                cwd=ROOT,
+                env=BENCH_ENV,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     LIVE[proc.pid] = proc
     try:
         wait_for_child(proc.pid, marker)
