@@ -67,7 +67,7 @@ from torch.autograd.profiler import profile, record_function  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.common import cuda_missing  # noqa: E402
+from bench.common import clocked, cuda_missing  # noqa: E402
 from duplexd.engine.dialogue.engine import (  # noqa: E402
     Engine,
     EngineConfig,
@@ -330,19 +330,17 @@ def floor_bytes(lm: LMModel, mimi: MimiModel, batch: int, kv_dtype: str, positio
 def timed_ms(fn: Callable[[], object], n: int, cuda: bool) -> list[float]:
     """Each of `n` calls' milliseconds: CUDA events around it on CUDA (each call ends waiting for the device), the
     wall clock elsewhere."""
+    if not cuda:
+        run = clocked(fn)
+        return [1000 * run() for _ in range(n)]
     times = []
     for _ in range(n):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - started))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     return times
 
 
